@@ -1,0 +1,72 @@
+"""``kvtier``: inspect and manage the daemon's pool. ``main(argv) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .client import Client, DaemonUnavailable, KVTierError
+from .pool.sizes import format_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtier", description="Inspect and manage a kvtier daemon.")
+    sub = p.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="pool, namespaces, clients, hit rate")
+    fl = sub.add_parser("flush", help="drop cached prefix blocks (swap is kept)")
+    fl.add_argument("--namespace", default="", help="only this namespace fingerprint")
+    for sp in (st, fl):
+        sp.add_argument("--socket", help="daemon socket (default: $KVTIER_SOCKET or the runtime dir)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        client = Client(args.socket, name="kvtier-cli", timeout=args.timeout, heartbeat=False)
+    except DaemonUnavailable as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 3
+    try:
+        with client:
+            if args.command == "status":
+                stats = client.stats()
+                print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_status(stats))
+            else:
+                removed = client.flush(args.namespace or None)
+                print(json.dumps({"removed": removed}) if args.json else f"removed {removed} blocks")
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def render_status(s: dict) -> str:
+    p, t = s["pool"], s["totals"]
+    lines = [
+        f"kvtier-daemon pid {s['pid']}  up {s['uptime_s']:.0f}s  socket {s['socket']}",
+        f"pool      {format_size(p['capacity_bytes'])} capacity, {format_size(p['used_bytes'])} used, "
+        f"{format_size(p['free_bytes'])} free, {format_size(p['waste_bytes'])} waste, "
+        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})",
+        f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
+        f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
+        f"loads {t['loaded']} blocks ({format_size(t['load_bytes'])})",
+        "", f"{'NAMESPACE':<48} {'BLOCK':>10} {'BLOCKS':>8} {'BYTES':>12} {'HITS':>8} {'MISSES':>8}",
+    ]
+    for n in s["namespaces"]:
+        lines.append(f"{n['fingerprint'][:48]:<48} {format_size(n['block_bytes']):>10} {n['blocks']:>8} "
+                     f"{format_size(n['bytes']):>12} {n['hits']:>8} {n['misses']:>8}")
+    lines += ["", f"{'CLIENT':>6} {'PID':>8} {'NAME':<20} {'SWAP':>12} {'INFLIGHT':>8}  NAMESPACES"]
+    for c in s["clients"]:
+        lines.append(f"{c['id']:>6} {c['pid']:>8} {c['name'][:20]:<20} {format_size(c['swap_bytes']):>12} "
+                     f"{c['inflight']:>8}  {', '.join(c['namespaces'])}")
+    if s.get("errors"):
+        lines += ["", "errors    " + "  ".join(f"{k} {v}" for k, v in sorted(s["errors"].items()))]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Engine-side client library.
+
+    from kvtier.client import Client, Namespace, ShmKVCache, block_hashes
+"""
+
+from ..protocol.hashing import block_hashes, chain_hash
+from .client import Client
+from .errors import DaemonUnavailable, KVTierError
+from .handles import TransferHandle, TransferResult
+from .namespace import Namespace
+
+__all__ = ["Client", "DaemonUnavailable", "KVTierError", "Namespace", "ShmKVCache",
+           "TransferHandle", "TransferResult", "block_hashes", "chain_hash"]
+
+
+def __getattr__(name):  # ShmKVCache needs torch; the CLI must not pay for importing it
+    if name == "ShmKVCache":
+        from ..transfer.shm import ShmKVCache
+        return ShmKVCache
+    raise AttributeError(name)

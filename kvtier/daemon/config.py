@@ -1,0 +1,124 @@
+"""Daemon configuration: one frozen dataclass, validated in ``__post_init__``.
+
+Precedence: defaults < config file (TOML, ``--config`` or
+``/etc/kvtier/kvtier.toml``) < ``KVTIER_*`` environment < command-line flags.
+Every key is named in errors so a bad config says what to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+
+from ..pool.policy import POLICIES
+from ..pool.sizes import parse_size
+from ..protocol.endpoints import default_socket
+from ..protocol.messages import MAX_MESSAGE_BYTES
+
+DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
+SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "swap_max"}
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket: str = field(default_factory=default_socket)
+    tcp: str = ""                   # optional extra endpoint, e.g. tcp://127.0.0.1:7070
+    token: str = ""                 # shared secret required at HELLO when set
+    pool_size: int = 2 * 2**30
+    slab_size: int = 64 * 2**20
+    ram_fraction: float = 0.8       # refuse pools above this share of available RAM
+    policy: str = "lru"
+    max_message: int = MAX_MESSAGE_BYTES
+    heartbeat_s: float = 2.0        # clients ping at this period
+    reap_after_s: float = 10.0      # silence after which a client is reaped
+    reap_interval_s: float = 0.5
+    socket_mode: int = 0o660
+    shm_mode: int = 0o600
+    copy_threads: int = 1
+    swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
+    swap_max: float = 0.5           # fraction of the pool usable for swap
+    events: str = ""                # PUB endpoint for block events; "" = off
+    log_level: str = "INFO"
+
+    def __post_init__(self):
+        def bad(key, why):
+            raise ValueError(f"config {key}: {why}")
+
+        if not self.socket:
+            bad("socket", "must not be empty")
+        if self.tcp and not self.tcp.startswith("tcp://"):
+            bad("tcp", "must look like tcp://HOST:PORT")
+        for key in ("pool_size", "slab_size", "max_message"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                bad(key, "must be a positive size")
+        if self.slab_size % 256:
+            bad("slab_size", "must be a multiple of 256 bytes")
+        if self.pool_size < self.slab_size:
+            bad("pool_size", f"must hold at least one slab ({self.slab_size} bytes)")
+        if not 0 < self.ram_fraction <= 1:
+            bad("ram_fraction", "must be in (0, 1]")
+        if self.policy not in POLICIES:
+            bad("policy", f"must be one of {sorted(POLICIES)}")
+        for key in ("heartbeat_s", "reap_after_s", "reap_interval_s"):
+            if not getattr(self, key) > 0:
+                bad(key, "must be > 0")
+        if self.reap_after_s <= self.heartbeat_s:
+            bad("reap_after_s", "must exceed heartbeat_s")
+        if not 1 <= self.copy_threads <= 64:
+            bad("copy_threads", "must be in [1, 64]")
+        if self.swap_quota < 0:
+            bad("swap_quota", "must be >= 0")
+        if not 0 <= self.swap_max <= 1:
+            bad("swap_max", "must be in [0, 1]")
+        for key in ("socket_mode", "shm_mode"):
+            if not 0 <= getattr(self, key) <= 0o777:
+                bad(key, "must be a file mode like 0o660")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _coerce(key: str, value, source: str):
+    """Convert a raw value from a file/env/flag to the field's type."""
+    fields = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+    if key not in fields:
+        raise ValueError(f"{source}: unknown config key {key!r}")
+    kind = fields[key].type
+    try:
+        if key in SIZE_KEYS and kind == "int":
+            return parse_size(value)
+        if key.endswith("_mode"):
+            return int(value, 8) if isinstance(value, str) else int(value)
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: config {key}: {exc}") from None
+
+
+def load_config(path: str | None = None, env: dict | None = None, flags: dict | None = None) -> DaemonConfig:
+    values: dict = {}
+    file = path or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    if file:
+        try:
+            with open(file, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"config file {file}: {exc}") from None
+        for key, value in raw.items():
+            values[key] = _coerce(key, value, file)
+    env = os.environ if env is None else env
+    for key in (f.name for f in dataclasses.fields(DaemonConfig)):
+        name = "KVTIER_" + key.upper()
+        if env.get(name):
+            values[key] = _coerce(key, env[name], name)
+    for key, value in (flags or {}).items():
+        if value is not None:
+            values[key] = _coerce(key, value, "--" + key.replace("_", "-"))
+    return DaemonConfig(**values)

@@ -1,0 +1,76 @@
+"""Daemon-side records: connected clients, registered caches, in-flight ops."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from ..pool.index import Namespace
+from ..protocol.errors import ErrorCode
+from ..transfer.layout import KVLayout
+
+
+class DaemonError(Exception):
+    """An expected failure answered with a typed error reply."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def process_start(pid: int) -> float | None:
+    """Creation time of ``pid`` (guards against pid reuse), None if unknown."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError, OverflowError):
+        return None
+
+
+@dataclass(eq=False)
+class ClientState:
+    id: int
+    identity: bytes
+    pid: int
+    name: str
+    start_time: float | None          # None: pid not verifiable here (remote)
+    connected: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    regs: dict = field(default_factory=dict)
+    ops: set = field(default_factory=set)
+    swap_quota: int = 0
+    swap_bytes: int = 0
+
+    def process_alive(self) -> bool:
+        if self.start_time is None:
+            return True  # heartbeat decides
+        try:
+            p = psutil.Process(self.pid)
+            return p.create_time() == self.start_time and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+@dataclass(eq=False)
+class Registration:
+    id: int
+    client: ClientState
+    ns: Namespace
+    layout: KVLayout | None
+    segments: list
+    inflight: int = 0
+    closing: bool = False
+
+
+@dataclass(eq=False)
+class Op:
+    kind: str                          # "store" | "load" | "offload" | "restore"
+    client: ClientState
+    reg: Registration
+    request_id: int
+    plan: Any
+    nbytes: int
+    started: float = field(default_factory=time.monotonic)
+    extra: Any = None

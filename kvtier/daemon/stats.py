@@ -1,0 +1,50 @@
+"""The ``stats`` document: what ``kvtier status --json`` prints.
+
+Keys are stable; new keys may be added, existing ones keep their meaning.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..protocol.messages import PROTOCOL_VERSION
+from ..pool.index import READY, STAT_KEYS
+
+
+class StatsMixin:
+    def stats(self) -> dict:
+        alloc = self.index.alloc_
+        namespaces = []
+        for ns in self.index.namespaces.values():
+            blocks = ns.ready_blocks()
+            row = {"id": ns.id, "fingerprint": ns.fingerprint, "block_bytes": ns.block_bytes,
+                   "blocks": blocks, "bytes": blocks * ns.block_bytes,
+                   "writing": len(ns.entries) - blocks}
+            row.update({k: ns.stats[k] for k in STAT_KEYS})
+            namespaces.append(row)
+        totals = {k: sum(n[k] for n in namespaces) for k in STAT_KEYS}
+        lookups_blocks = totals["hits"] + totals["misses"]
+        totals["hit_rate"] = totals["hits"] / lookups_blocks if lookups_blocks else 0.0
+        for k in ("store_bytes", "load_bytes", "stores", "loads", "offload_bytes", "restore_bytes",
+                  "requests", "reaped"):
+            totals[k] = self.counters[k]
+        clients = [{"id": c.id, "pid": c.pid, "name": c.name,
+                    "connected_s": round(time.time() - c.connected, 3),
+                    "namespaces": sorted({r.ns.fingerprint for r in c.regs.values()}),
+                    "inflight": len(c.ops), "swap_bytes": c.swap_bytes, "swap_quota": c.swap_quota,
+                    "swap_requests": len(getattr(c, "swap", {}) or {})}
+                   for c in self.clients.values()]
+        return {
+            "version": PROTOCOL_VERSION, "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 3), "socket": self.config.socket,
+            "pool": {"capacity_bytes": alloc.capacity, "used_bytes": alloc.used_bytes,
+                     "free_bytes": alloc.free_bytes, "waste_bytes": alloc.waste_bytes,
+                     "slab_bytes": alloc.slab_bytes, "slabs": len(alloc.slabs),
+                     "free_slabs": len(alloc.free_slabs),
+                     "blocks": sum(1 for n in self.index.namespaces.values()
+                                   for e in n.entries.values() if e.state == READY),
+                     "evictions": self.index.evictions, "policy": self.config.policy},
+            "namespaces": namespaces, "clients": clients, "totals": totals,
+            "errors": dict(self.errors),
+        }

@@ -1,0 +1,13 @@
+"""Block pool: shared-memory segment, slab allocator, eviction policy, index."""
+
+from .allocator import IntegrityError, SlabAllocator
+from .index import READY, WRITING, BlockIndex, LoadPlan, Namespace, StorePlan
+from .policy import POLICIES, FIFOPolicy, LRUPolicy
+from .segment import SegmentError, ShmSegment, cleanup_stale, unlink_segment
+from .sizes import format_size, parse_size
+
+__all__ = [
+    "POLICIES", "READY", "WRITING", "BlockIndex", "FIFOPolicy", "IntegrityError", "LRUPolicy",
+    "LoadPlan", "Namespace", "SegmentError", "ShmSegment", "SlabAllocator", "StorePlan",
+    "cleanup_stale", "format_size", "parse_size", "unlink_segment",
+]

@@ -1,0 +1,164 @@
+"""Slab allocator: one byte range serves blocks of many sizes.
+
+Engines of different models have different block sizes. The pool is cut into
+equal slabs; a slab is assigned to one size class on first use and returned
+to the free list when its last block is freed. Within a slab, slots of the
+class's stride are handed out LIFO (warm cache lines first).
+
+Waste reported = unassigned tail of the pool + per assigned slab the space
+that does not fit a whole slot + per used slot the stride rounding.
+
+Primitives: ``add_class(block_bytes) -> cls``, ``alloc(cls) -> offset | None``,
+``free(offset)``, ``slab_of(offset)``, ``used_offsets(slab)``,
+``check_integrity()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALIGN = 256  # slot alignment: keeps every dtype view aligned, DMA-friendly
+
+
+class IntegrityError(RuntimeError):
+    """Counters disagree; the message carries every counter."""
+
+
+@dataclass
+class SizeClass:
+    block_bytes: int
+    stride: int
+    per_slab: int
+    partial: set[int] = field(default_factory=set)  # slabs with free slots
+    slabs: int = 0
+    used: int = 0
+
+
+@dataclass
+class Slab:
+    cls: int = -1
+    free: list[int] = field(default_factory=list)  # free slot indices
+    used: int = 0
+
+
+class SlabAllocator:
+    def __init__(self, capacity: int, slab_bytes: int):
+        if slab_bytes <= 0 or slab_bytes % ALIGN:
+            raise ValueError(f"slab_bytes must be a positive multiple of {ALIGN}")
+        if capacity < slab_bytes:
+            raise ValueError(f"pool of {capacity} bytes is smaller than one slab ({slab_bytes})")
+        self.capacity = capacity
+        self.slab_bytes = slab_bytes
+        self.slabs = [Slab() for _ in range(capacity // slab_bytes)]
+        self.free_slabs = list(range(len(self.slabs) - 1, -1, -1))
+        self.classes: list[SizeClass] = []
+        self._by_size: dict[int, int] = {}
+
+    def add_class(self, block_bytes: int) -> int:
+        if block_bytes <= 0:
+            raise ValueError("block size must be positive")
+        if block_bytes > self.slab_bytes:
+            raise ValueError(f"block of {block_bytes} bytes exceeds the slab size "
+                             f"({self.slab_bytes}); raise slab_bytes")
+        if block_bytes in self._by_size:
+            return self._by_size[block_bytes]
+        stride = -(-block_bytes // ALIGN) * ALIGN
+        self.classes.append(SizeClass(block_bytes, stride, self.slab_bytes // stride))
+        self._by_size[block_bytes] = len(self.classes) - 1
+        return len(self.classes) - 1
+
+    def alloc(self, cls: int) -> int | None:
+        c = self.classes[cls]
+        if c.partial:
+            s = next(iter(c.partial))
+        elif self.free_slabs:
+            s = self.free_slabs.pop()
+            slab = self.slabs[s]
+            slab.cls, slab.free, slab.used = cls, list(range(c.per_slab - 1, -1, -1)), 0
+            c.slabs += 1
+            c.partial.add(s)
+        else:
+            return None
+        slab = self.slabs[s]
+        slot = slab.free.pop()
+        slab.used += 1
+        c.used += 1
+        if not slab.free:
+            c.partial.discard(s)
+        return s * self.slab_bytes + slot * c.stride
+
+    def free(self, offset: int) -> None:
+        s, rem = divmod(offset, self.slab_bytes)
+        slab = self.slabs[s]
+        c = self.classes[slab.cls]
+        slot, bad = divmod(rem, c.stride)
+        if bad or slot >= c.per_slab or slab.used == 0:
+            raise IntegrityError(f"free of invalid offset {offset}")
+        slab.free.append(slot)
+        slab.used -= 1
+        c.used -= 1
+        c.partial.add(s)
+        if slab.used == 0:  # whole slab back to the pool for any class
+            c.partial.discard(s)
+            c.slabs -= 1
+            slab.cls, slab.free = -1, []
+            self.free_slabs.append(s)
+
+    def slab_of(self, offset: int) -> int:
+        return offset // self.slab_bytes
+
+    def class_of(self, offset: int) -> int:
+        return self.slabs[offset // self.slab_bytes].cls
+
+    def used_offsets(self, s: int) -> list[int]:
+        slab = self.slabs[s]
+        if slab.cls < 0:
+            return []
+        c = self.classes[slab.cls]
+        free = set(slab.free)
+        return [s * self.slab_bytes + i * c.stride for i in range(c.per_slab) if i not in free]
+
+    # ---- accounting ----------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        return sum(c.used * c.block_bytes for c in self.classes)
+
+    @property
+    def waste_bytes(self) -> int:
+        tail = self.capacity - len(self.slabs) * self.slab_bytes
+        per_slab = sum(c.slabs * (self.slab_bytes - c.per_slab * c.stride) for c in self.classes)
+        rounding = sum(c.used * (c.stride - c.block_bytes) for c in self.classes)
+        return tail + per_slab + rounding
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes - self.waste_bytes
+
+    def counters(self) -> dict:
+        return {
+            "capacity": self.capacity, "slab_bytes": self.slab_bytes, "slabs": len(self.slabs),
+            "free_slabs": len(self.free_slabs), "used_bytes": self.used_bytes,
+            "waste_bytes": self.waste_bytes,
+            "classes": [{"block_bytes": c.block_bytes, "slabs": c.slabs, "used": c.used,
+                         "partial": len(c.partial)} for c in self.classes],
+        }
+
+    def check_integrity(self) -> None:
+        problems = []
+        if len(set(self.free_slabs)) != len(self.free_slabs):
+            problems.append("duplicate free slab")
+        for s, slab in enumerate(self.slabs):
+            if (slab.cls < 0) != (s in self.free_slabs):
+                problems.append(f"slab {s} cls={slab.cls} vs free list")
+            if slab.cls >= 0:
+                c = self.classes[slab.cls]
+                if slab.used + len(slab.free) != c.per_slab or slab.used <= 0:
+                    problems.append(f"slab {s}: used {slab.used} + free {len(slab.free)} != {c.per_slab}")
+                if (s in c.partial) != bool(slab.free):
+                    problems.append(f"slab {s}: partial set disagrees")
+        for i, c in enumerate(self.classes):
+            owned = [s for s, sl in enumerate(self.slabs) if sl.cls == i]
+            if len(owned) != c.slabs or sum(self.slabs[s].used for s in owned) != c.used:
+                problems.append(f"class {i}: slabs/used counters disagree")
+        if problems:
+            raise IntegrityError(f"{problems}; counters={self.counters()}")

@@ -1,0 +1,260 @@
+"""Prefix-cache index over the slab pool: namespaces, entries, two-phase ops.
+
+An entry is keyed by (namespace, block hash). A namespace is the identity under
+which blocks are shared (model, dtype, layout, block size, TP rank/size), given
+by the client as a fingerprint string.
+
+Entry life: prepare_store -> WRITING (invisible to lookups, not evictable) ->
+complete_store -> READY (in the eviction policy) or freed on failure. A READY
+entry with pins > 0 is being loaded and is never evicted.
+
+Primitives (scheduler-style, no I/O):
+  namespace(fingerprint, block_bytes) -> Namespace
+  lookup(ns, keys) -> int                  longest READY prefix, refreshes LRU
+  prepare_store(ns, keys) -> StorePlan     dedups; pool full is a value
+  complete_store(plan, failed=())
+  prepare_load(ns, keys) -> LoadPlan       pins what is READY
+  complete_load(plan)
+  alloc(cls) / free(offset)                used by the swap table too
+  flush(ns=None) -> int, check_integrity()
+  take_events() -> [(kind, namespace, hash)]  "stored" / "removed", if enabled
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .allocator import IntegrityError, SlabAllocator
+from .policy import EvictionPolicy, LRUPolicy
+
+WRITING, READY = "writing", "ready"
+STAT_KEYS = ("lookups", "hits", "misses", "stored", "store_skipped", "store_failed",
+             "loaded", "load_failed", "evicted")
+
+
+class Entry:
+    __slots__ = ("ns", "key", "offset", "state", "pins")
+
+    def __init__(self, ns: "Namespace", key: bytes, offset: int):
+        self.ns, self.key, self.offset, self.state, self.pins = ns, key, offset, WRITING, 0
+
+
+@dataclass(eq=False)
+class Namespace:
+    id: int
+    fingerprint: str
+    block_bytes: int
+    cls: int
+    entries: dict = field(default_factory=dict)
+    stats: Counter = field(default_factory=Counter)
+
+    def ready_blocks(self) -> int:
+        return sum(1 for e in self.entries.values() if e.state == READY)
+
+
+@dataclass(eq=False)
+class StorePlan:
+    ns: Namespace
+    entries: list            # Entry to write, or None (skipped / no space), per key
+    skipped: list[int]       # indices already present or being written
+    no_space: list[int]      # indices that found no room
+    abandoned: bool = False  # owner died: commit nothing
+
+
+@dataclass(eq=False)
+class LoadPlan:
+    ns: Namespace
+    entries: list            # pinned Entry per key, or None when missing
+    missing: list[int]
+
+
+class BlockIndex:
+    def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy | None = None):
+        self.alloc_ = allocator
+        self.policy = policy if policy is not None else LRUPolicy()
+        self.namespaces: dict[str, Namespace] = {}
+        self.by_offset: dict[int, Entry] = {}  # prefix entries only, for slab eviction
+        self.pinned_offsets: set[int] = set()  # offsets held outside the policy (swap)
+        self.evictions = 0
+        self.record_events = False
+        self._events: list[tuple[str, str, bytes]] = []
+
+    # ---- namespaces ----------------------------------------------------------
+    def namespace(self, fingerprint: str, block_bytes: int) -> Namespace:
+        ns = self.namespaces.get(fingerprint)
+        if ns is None:
+            cls = self.alloc_.add_class(block_bytes)
+            ns = Namespace(len(self.namespaces) + 1, fingerprint, block_bytes, cls)
+            self.namespaces[fingerprint] = ns
+        elif ns.block_bytes != block_bytes:
+            raise ValueError(f"namespace {fingerprint!r} has {ns.block_bytes}-byte blocks, "
+                             f"registration has {block_bytes}: fingerprint must include the layout")
+        return ns
+
+    # ---- lookup / store / load -------------------------------------------------
+    def lookup(self, ns: Namespace, keys: list[bytes]) -> int:
+        hits = 0
+        for key in keys:
+            e = ns.entries.get(key)
+            if e is None or e.state != READY:
+                break
+            hits += 1
+        self._touch_chain(ns, keys[:hits])
+        ns.stats.update(lookups=1, hits=hits, misses=len(keys) - hits)
+        return hits
+
+    def prepare_store(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
+        plan = StorePlan(ns, [None] * len(keys), [], [])
+        for i, key in enumerate(keys):
+            if key in ns.entries:
+                plan.skipped.append(i)
+                continue
+            if plan.no_space:  # once full, the rest of the chain cannot fit either
+                plan.no_space.append(i)
+                continue
+            offset = self.alloc(ns.cls)
+            if offset is None:
+                plan.no_space.append(i)
+                continue
+            e = Entry(ns, key, offset)
+            ns.entries[key] = e
+            self.by_offset[offset] = e
+            plan.entries[i] = e
+        ns.stats.update(store_skipped=len(plan.skipped), store_failed=len(plan.no_space))
+        return plan
+
+    def complete_store(self, plan: StorePlan, failed=()) -> int:
+        """Commit written entries; failed indices (or all, if abandoned) are freed."""
+        failed = set(failed)
+        committed = []
+        for i, e in enumerate(plan.entries):
+            if e is None:
+                continue
+            if plan.abandoned or i in failed:
+                self._drop(e)
+            else:
+                e.state = READY
+                committed.append(e)
+        for e in reversed(committed):  # head of the chain ends most recent
+            self.policy.insert(e)
+        if self.record_events:
+            self._events.extend(("stored", plan.ns.fingerprint, e.key) for e in committed)
+        plan.ns.stats.update(stored=len(committed), store_failed=len(plan.entries) - len(committed)
+                             - len(plan.skipped) - len(plan.no_space))
+        return len(committed)
+
+    def prepare_load(self, ns: Namespace, keys: list[bytes]) -> LoadPlan:
+        plan = LoadPlan(ns, [None] * len(keys), [])
+        for i, key in enumerate(keys):
+            e = ns.entries.get(key)
+            if e is None or e.state != READY:
+                plan.missing.append(i)
+                continue
+            e.pins += 1
+            plan.entries[i] = e
+        self._touch_chain(ns, [e.key for e in plan.entries if e is not None])
+        return plan
+
+    def complete_load(self, plan: LoadPlan, failed=()) -> None:
+        for e in plan.entries:
+            if e is not None:
+                if e.pins <= 0:
+                    raise IntegrityError(f"double unpin of {e.key.hex()}")
+                e.pins -= 1
+        bad = len(set(plan.missing) | set(failed))
+        plan.ns.stats.update(loaded=len(plan.entries) - bad, load_failed=bad)
+
+    def flush(self, ns: Namespace | None = None) -> int:
+        """Drop READY unpinned entries (of one namespace or all); returns how many."""
+        victims = [e for n in ([ns] if ns else self.namespaces.values())
+                   for e in n.entries.values() if e.state == READY and e.pins == 0]
+        for e in victims:
+            self._drop(e, removed=True)
+        return len(victims)
+
+    # ---- space -----------------------------------------------------------------
+    def alloc(self, cls: int) -> int | None:
+        offset = self.alloc_.alloc(cls)
+        if offset is None and self._evict_for(cls):
+            offset = self.alloc_.alloc(cls)
+        return offset
+
+    def free(self, offset: int) -> None:
+        self.alloc_.free(offset)
+
+    def _evict_for(self, cls: int) -> bool:
+        """Evict the oldest evictable entry of ``cls``, or a whole slab of another
+        class when the oldest evictable entry lives in one (frees a slab for us)."""
+        for e in self.policy.candidates():
+            if e.pins:
+                continue
+            if e.ns.cls == cls:
+                victims = [e]
+                break
+            victims = self._slab_victims(self.alloc_.slab_of(e.offset))
+            if victims:
+                break
+        else:
+            return False
+        for v in victims:
+            self._drop(v, removed=True)
+            v.ns.stats["evicted"] += 1
+        self.evictions += len(victims)
+        return True
+
+    def _slab_victims(self, slab: int) -> list[Entry] | None:
+        victims = []
+        for off in self.alloc_.used_offsets(slab):
+            e = self.by_offset.get(off)
+            if e is None or e.state != READY or e.pins:
+                return None  # slab holds swap, in-flight or pinned blocks
+            victims.append(e)
+        return victims
+
+    def take_events(self) -> list[tuple[str, str, bytes]]:
+        events, self._events = self._events, []
+        return events
+
+    def _drop(self, e: Entry, removed: bool = False) -> None:
+        if removed and self.record_events:  # only READY blocks were ever announced
+            self._events.append(("removed", e.ns.fingerprint, e.key))
+        self.policy.remove(e)
+        del e.ns.entries[e.key]
+        del self.by_offset[e.offset]
+        self.alloc_.free(e.offset)
+
+    def _touch_chain(self, ns: Namespace, keys: list[bytes]) -> None:
+        for key in reversed(keys):  # tail first, so the head is the most recent
+            self.policy.touch(ns.entries[key])
+
+    # ---- integrity ---------------------------------------------------------------
+    def counters(self) -> dict:
+        entries = [e for n in self.namespaces.values() for e in n.entries.values()]
+        return {
+            "entries": len(entries), "ready": sum(e.state == READY for e in entries),
+            "writing": sum(e.state == WRITING for e in entries),
+            "pinned": sum(e.pins > 0 for e in entries), "pins": sum(e.pins for e in entries),
+            "policy": len(self.policy), "by_offset": len(self.by_offset),
+            "held_outside": len(self.pinned_offsets), "evictions": self.evictions,
+            "allocator": self.alloc_.counters(),
+        }
+
+    def check_integrity(self) -> None:
+        self.alloc_.check_integrity()
+        c = self.counters()
+        problems = []
+        if c["ready"] != c["policy"]:
+            problems.append("ready entries != policy size")
+        if c["entries"] != c["by_offset"]:
+            problems.append("entries != offset map")
+        used = sum(k.used for k in self.alloc_.classes)
+        if used != c["entries"] + c["held_outside"]:
+            problems.append(f"allocator used {used} != entries + held outside")
+        if any(e.pins < 0 for n in self.namespaces.values() for e in n.entries.values()):
+            problems.append("negative pin count")
+        for n in self.namespaces.values():
+            if any(e.ns is not n or e.offset not in self.by_offset for e in n.entries.values()):
+                problems.append(f"namespace {n.fingerprint}: entry links broken")
+        if problems:
+            raise IntegrityError(f"{problems}; counters={c}")

@@ -1,0 +1,140 @@
+"""Named POSIX shared-memory segments.
+
+The daemon's pool is one segment; on CPU, engine workers also place their KV
+tensors in segments that the daemon opens by name (the CPU twin of CUDA IPC).
+
+Design notes (REFERENCE.md):
+  * ``ftruncate`` is sparse, so an oversize pool would only fail later with
+    SIGBUS; ``posix_fallocate`` reserves tmpfs pages now and fails fast.
+  * mapping with MAP_POPULATE prefaults page tables so first copies run at
+    full speed.
+  * the mapping's lifetime is owned here: tensors over it must be dropped
+    before ``close()``; closing under a live tensor would segfault the next
+    write, so ``close`` refuses (BufferError) instead.
+  * crashed processes leak named segments; names embed the creator pid so a
+    new daemon can unlink the ones whose creator is dead.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+
+import posix_ipc
+import psutil
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_PID_RE = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+class SegmentError(RuntimeError):
+    """A segment could not be created or opened."""
+
+
+class ShmSegment:
+    """A mapped shared-memory segment; ``create=True`` makes and reserves it."""
+
+    def __init__(self, name: str, size: int = 0, *, create: bool = False, mode: int = 0o600,
+                 populate: bool = True):
+        self.name = name if name.startswith("/") else "/" + name
+        self.owner = create
+        self._mmap: mmap.mmap | None = None
+        try:
+            if create:
+                if size <= 0:
+                    raise SegmentError(f"segment size must be positive, got {size}")
+                shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, mode=mode, size=0)
+            else:
+                shm = posix_ipc.SharedMemory(self.name)
+        except posix_ipc.ExistentialError as exc:
+            raise SegmentError(f"shared memory {self.name}: {exc}") from None
+        except PermissionError as exc:
+            raise SegmentError(f"shared memory {self.name}: {exc}") from None
+        try:
+            if create:
+                os.fchmod(shm.fd, mode)  # umask must not widen or narrow the mode
+                _reserve(shm.fd, size, self.name)
+            self.size = os.fstat(shm.fd).st_size
+            if self.size == 0:
+                raise SegmentError(f"shared memory {self.name} is empty")
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self._mmap = mmap.mmap(shm.fd, self.size, flags=flags)
+        except BaseException:
+            if create:
+                shm.unlink()
+            raise
+        finally:
+            shm.close_fd()
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise SegmentError(f"segment {self.name} is closed")
+        return self._mmap
+
+    def close(self, unlink: bool | None = None) -> None:
+        """Unmap (and unlink if owner). Raises BufferError while views are alive."""
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        if self.owner if unlink is None else unlink:
+            unlink_segment(self.name)
+            self.owner = False
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+
+def _reserve(fd: int, size: int, name: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise SegmentError(
+                f"cannot reserve {size} bytes for {name}: {os.strerror(exc.errno)} "
+                f"(is /dev/shm large enough?)") from None
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.ftruncate(fd, size)  # filesystem without fallocate: sparse fallback
+        else:
+            raise
+
+
+def unlink_segment(name: str) -> bool:
+    try:
+        posix_ipc.unlink_shared_memory(name if name.startswith("/") else "/" + name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def pid_of(name: str) -> int | None:
+    m = _PID_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def cleanup_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink segments named ``<prefix>...<pid>...`` whose pid is no longer alive."""
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid = pid_of(name[len(prefix) - 1:])
+        try:
+            owned = os.stat(os.path.join(shm_dir, name)).st_uid == uid
+        except OSError:
+            continue
+        if pid is not None and owned and not psutil.pid_exists(pid) and unlink_segment(name):
+            log.warning("removed stale shared memory segment /%s (pid %d is gone)", name, pid)
+            removed.append(name)
+    return removed

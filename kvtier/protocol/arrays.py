@@ -1,0 +1,52 @@
+"""Packed binary arrays carried in ``bytes`` fields.
+
+Hashes are ``HASH_BYTES``-byte digests concatenated; block ids and failure
+indices are little-endian int32. Packing as one ``bin`` field costs ~2.5 us per
+1000 entries where a msgpack list costs ~40 us (REFERENCE.md).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .errors import ErrorCode, ProtocolError
+
+HASH_BYTES = 16
+_I32 = np.dtype("<i4")
+_HASH = np.dtype(f"V{HASH_BYTES}")
+
+
+def pack_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
+    if isinstance(hashes, (bytes, bytearray, memoryview)):
+        data = bytes(hashes)
+    else:
+        for h in hashes:
+            if len(h) != HASH_BYTES:
+                raise ValueError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
+        data = b"".join(hashes)
+    if len(data) % HASH_BYTES:
+        raise ValueError(f"packed hashes must be a multiple of {HASH_BYTES} bytes")
+    return data
+
+
+def unpack_hashes(data: bytes) -> list[bytes]:
+    """Split packed hashes into a list of digests (dict keys)."""
+    if len(data) % HASH_BYTES:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT,
+                            f"hashes field is {len(data)} bytes, not a multiple of {HASH_BYTES}")
+    return np.frombuffer(data, dtype=_HASH).tolist()
+
+
+def pack_ids(ids: Iterable[int] | np.ndarray) -> bytes:
+    arr = np.asarray(ids if not isinstance(ids, range) else list(ids))
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError("block ids must fit in int32")
+    return np.ascontiguousarray(arr, dtype=_I32).tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    if len(data) % 4:
+        raise ProtocolError(ErrorCode.BAD_ARGUMENT, f"id array is {len(data)} bytes, not a multiple of 4")
+    return np.frombuffer(data, dtype=_I32)

@@ -1,0 +1,84 @@
+"""Codec: message objects <-> single ZeroMQ frames. Does no I/O.
+
+A frame is a msgpack array ``[tag, request_id, body]`` where ``tag`` is the
+message's wire tag, ``request_id`` an unsigned 64-bit integer chosen by the
+client, and ``body`` a map of field name -> value. Unknown body keys are
+ignored (forward compatibility); missing required keys and wrong types raise
+``ProtocolError(BAD_MESSAGE)``; an unknown tag raises ``UNKNOWN_OP``.
+
+Primitives: ``encode(msg, request_id) -> bytes``,
+``decode(frame) -> (request_id, msg)``, ``error_reply(exc) -> Error``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from .errors import ErrorCode, ProtocolError
+from .messages import MAX_MESSAGE_BYTES, TABLE, Error, as_wire_dict
+
+# Annotation string -> accepted Python types after msgpack decoding.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "str": (str,), "bytes": (bytes,), "bool": (bool,),
+    "float": (float, int), "list": (list,), "dict": (dict,),
+}
+_U64 = (1 << 64) - 1
+
+
+def encode(msg: Any, request_id: int) -> bytes:
+    tag = getattr(type(msg), "TAG", None)
+    if tag is None or TABLE.get(tag) is not type(msg):
+        raise TypeError(f"{type(msg).__name__} is not a registered message")
+    return msgpack.packb([tag, request_id, as_wire_dict(msg)], use_bin_type=True)
+
+
+def decode(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[int, Any]:
+    """Decode one frame. Raises ProtocolError carrying ``request_id`` (0 if unknown)."""
+    if len(frame) > max_bytes:
+        raise _err(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_bytes}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise _err(ErrorCode.BAD_MESSAGE, f"not msgpack: {type(exc).__name__}") from None
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise _err(ErrorCode.BAD_MESSAGE, "frame must be [tag, request_id, body]")
+    tag, request_id, body = obj
+    if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id <= _U64:
+        raise _err(ErrorCode.BAD_MESSAGE, "request_id must be an unsigned 64-bit integer")
+    if not isinstance(tag, str):
+        raise _err(ErrorCode.BAD_MESSAGE, "tag must be a string", request_id)
+    cls = TABLE.get(tag)
+    if cls is None:
+        raise _err(ErrorCode.UNKNOWN_OP, f"unknown op {tag[:32]!r}", request_id)
+    if not isinstance(body, dict):
+        raise _err(ErrorCode.BAD_MESSAGE, f"{tag}: body must be a map", request_id)
+    return request_id, cls(**_fields(cls, body, request_id))
+
+
+def _fields(cls, body: dict, request_id: int) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in body:
+            if f.default is dataclasses.MISSING:
+                raise _err(ErrorCode.BAD_MESSAGE, f"{cls.TAG}: missing field {f.name!r}", request_id)
+            continue
+        value = body[f.name]
+        ok = _TYPES[f.type]
+        if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
+            raise _err(ErrorCode.BAD_MESSAGE,
+                       f"{cls.TAG}.{f.name}: expected {f.type}, got {type(value).__name__}", request_id)
+        out[f.name] = float(value) if f.type == "float" else value
+    return out
+
+
+def error_reply(exc: ProtocolError) -> Error:
+    return Error(code=int(exc.code), message=exc.message, side=exc.side)
+
+
+def _err(code: ErrorCode, message: str, request_id: int = 0) -> ProtocolError:
+    exc = ProtocolError(code, message)
+    exc.request_id = request_id
+    return exc

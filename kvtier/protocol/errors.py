@@ -1,0 +1,51 @@
+"""Error codes shared by the daemon and the client.
+
+Every failure that crosses the wire is an ``ErrorCode`` plus a message and the
+side at fault (``"client"`` when the request was wrong, ``"daemon"`` when the
+daemon failed to serve a valid request). Codes are stable wire values.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_MESSAGE = 1        # undecodable frame, wrong types, missing fields
+    UNKNOWN_OP = 2         # tag not in the codec's table
+    BAD_ARGUMENT = 3       # well-formed but invalid values (ids out of range...)
+    NO_SPACE = 4           # pool full (only for ops that cannot report it as a value)
+    UNKNOWN_NAMESPACE = 5  # registration / namespace id not known to this client
+    INTERNAL = 6           # daemon bug; the daemon keeps serving
+    VERSION_MISMATCH = 7   # HELLO with a protocol version the daemon cannot speak
+    NOT_CONNECTED = 8      # request before HELLO, or from a reaped client
+    TOO_LARGE = 9          # frame over the maximum message size
+    UNAUTHORIZED = 10      # bad or missing token at HELLO
+    SHUTTING_DOWN = 11     # daemon is draining; retry against the next daemon
+
+
+CLIENT_FAULT = frozenset({
+    ErrorCode.BAD_MESSAGE, ErrorCode.UNKNOWN_OP, ErrorCode.BAD_ARGUMENT,
+    ErrorCode.UNKNOWN_NAMESPACE, ErrorCode.VERSION_MISMATCH,
+    ErrorCode.NOT_CONNECTED, ErrorCode.TOO_LARGE, ErrorCode.UNAUTHORIZED,
+})
+
+
+def side_of(code: ErrorCode) -> str:
+    return "client" if code in CLIENT_FAULT else "daemon"
+
+
+class ProtocolError(Exception):
+    """A message could not be decoded or validated.
+
+    Raised by the codec; the daemon turns it into an error reply.
+    """
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @property
+    def side(self) -> str:
+        return side_of(self.code)

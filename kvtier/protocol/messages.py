@@ -1,0 +1,203 @@
+"""Wire messages: frozen dataclasses, one per operation.
+
+Each class carries a stable short wire ``TAG`` (never its Python name). Field
+names are the wire keys. Requests flow client -> daemon, replies daemon ->
+client; every request gets exactly one reply carrying the same request id.
+
+Primitives:
+  Hello/Welcome            open a session (protocol version checked here)
+  Register/Registered      export a KV cache under a namespace fingerprint
+  Lookup/Hits              longest ready prefix of a hash chain
+  Store, Load/TransferDone two-phase copies; reply when the copy finished
+  Offload, Restore, Discard request swap (owned by one client, not shared)
+  Stats/StatsReply, Flush/Flushed, Ping/Bye/Unregister -> Ok
+  Error                    typed failure (code, message, side at fault)
+
+Hashes travel as one ``bytes`` of ``HASH_BYTES``-sized digests and block ids
+as one ``bytes`` of little-endian int32 (see ``kvtier.protocol.arrays``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+TABLE: dict[str, type] = {}
+
+
+def message(tag: str):
+    """Register a frozen dataclass under a stable wire tag."""
+
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        if tag in TABLE:
+            raise ValueError(f"duplicate wire tag {tag!r}")
+        cls.TAG = tag
+        TABLE[tag] = cls
+        return cls
+
+    return wrap
+
+
+# ---- requests ---------------------------------------------------------------
+
+@message("hi")
+class Hello:
+    version: int
+    pid: int
+    name: str = ""
+    token: str = ""
+    TAG: ClassVar[str]
+
+
+@message("reg")
+class Register:
+    namespace: str          # fingerprint: model, dtype, layout, block size, TP
+    tensors: list           # list of tensor specs (see PROTOCOL.md)
+    block_factor: int = 1   # engine blocks per kvtier block
+    swap_quota: int = -1    # bytes; -1 = daemon default
+    TAG: ClassVar[str]
+
+
+@message("unreg")
+class Unregister:
+    reg: int
+    TAG: ClassVar[str]
+
+
+@message("lk")
+class Lookup:
+    reg: int
+    hashes: bytes
+    TAG: ClassVar[str]
+
+
+@message("st")
+class Store:
+    reg: int
+    hashes: bytes
+    blocks: bytes           # engine block ids, block_factor per hash
+    TAG: ClassVar[str]
+
+
+@message("ld")
+class Load:
+    reg: int
+    hashes: bytes
+    blocks: bytes           # engine block ids: block_factor per hash - skip
+    skip: int = 0           # engine blocks of the first kvtier block not loaded
+    TAG: ClassVar[str]
+
+
+@message("off")
+class Offload:
+    reg: int
+    requests: list          # [[request_id: str, blocks: bytes], ...]
+    TAG: ClassVar[str]
+
+
+@message("rst")
+class Restore:
+    reg: int
+    request: str
+    blocks: bytes
+    TAG: ClassVar[str]
+
+
+@message("disc")
+class Discard:
+    reg: int
+    request: str
+    TAG: ClassVar[str]
+
+
+@message("stat")
+class Stats:
+    TAG: ClassVar[str]
+
+
+@message("flush")
+class Flush:
+    namespace: str = ""     # fingerprint; "" flushes every namespace
+    TAG: ClassVar[str]
+
+
+@message("ping")
+class Ping:
+    TAG: ClassVar[str]
+
+
+@message("bye")
+class Bye:
+    TAG: ClassVar[str]
+
+
+# ---- replies ----------------------------------------------------------------
+
+@message("welcome")
+class Welcome:
+    version: int
+    client_id: int
+    heartbeat_s: float
+    max_message: int
+    TAG: ClassVar[str]
+
+
+@message("regd")
+class Registered:
+    reg: int
+    namespace_id: int
+    block_bytes: int
+    num_blocks: int          # engine blocks in the registered cache
+    TAG: ClassVar[str]
+
+
+@message("hits")
+class Hits:
+    hits: int
+    TAG: ClassVar[str]
+
+
+@message("done")
+class TransferDone:
+    done: int               # blocks copied (store: newly stored)
+    skipped: int = 0        # store: already present (dedup) or being written
+    failed: bytes = b""     # int32 indices (into the request's hashes/requests)
+    no_space: bool = False  # store/offload: some blocks failed for lack of room
+    TAG: ClassVar[str]
+
+
+@message("stats")
+class StatsReply:
+    stats: dict
+    TAG: ClassVar[str]
+
+
+@message("flushed")
+class Flushed:
+    removed: int
+    TAG: ClassVar[str]
+
+
+@message("ok")
+class Ok:
+    TAG: ClassVar[str]
+
+
+@message("err")
+class Error:
+    code: int
+    message: str
+    side: str = "client"
+    TAG: ClassVar[str]
+
+
+def wire_fields(cls) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(cls)
+
+
+def as_wire_dict(msg: Any) -> dict:
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}

@@ -1,0 +1,124 @@
+"""KV cache layouts: which bytes of the engine's tensors make one kvtier block.
+
+A registration is a list of tensors and, per tensor, the dimension that indexes
+engine blocks, so every common layout fits:
+  FlashAttention ``(2, num_blocks, ...)`` block_dim=1, FlashInfer
+  ``(num_blocks, 2, ...)`` and MLA ``(num_blocks, ...)`` block_dim=0, and
+  per-layer lists of any of them.
+One kvtier block is ``block_factor`` consecutive engine blocks (in the order
+the engine lists them). In the pool a kvtier block is laid out as
+``[sub-block 0: tensor 0 bytes, tensor 1 bytes, ...][sub-block 1: ...]``.
+
+Primitives: ``KVLayout(tensors, block_dims, block_factor)``,
+``pairs(offsets, engine_ids, skip)`` (pool byte offset, engine block id) per
+engine block, ``check_ids(engine_ids)``, ``copy(pool_u8, pairs, to_pool)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+DTYPES = {name: getattr(torch, name) for name in (
+    "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64",
+    "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype}")
+
+
+class KVLayout:
+    """Byte geometry of a registered cache plus the copy routine."""
+
+    def __init__(self, tensors: list[torch.Tensor], block_dims: list[int], block_factor: int = 1):
+        if not tensors or len(tensors) != len(block_dims):
+            raise ValueError("need one block_dim per tensor and at least one tensor")
+        if block_factor < 1:
+            raise ValueError("block_factor must be >= 1")
+        moved, nblocks = [], set()
+        for t, d in zip(tensors, block_dims):
+            if not -t.dim() <= d < t.dim() or t.dim() == 0:
+                raise ValueError(f"block_dim {d} out of range for a {t.dim()}-d tensor")
+            m = t.movedim(d, 0)
+            moved.append(m)
+            nblocks.add(m.shape[0])
+        if len(nblocks) != 1:
+            raise ValueError(f"tensors disagree on the number of blocks: {sorted(nblocks)}")
+        self.moved = moved
+        self.num_blocks = nblocks.pop()
+        self.block_factor = block_factor
+        self.sub_bytes = [m[0].numel() * m.element_size() for m in moved]
+        self.engine_block_bytes = sum(self.sub_bytes)
+        self.block_bytes = block_factor * self.engine_block_bytes
+        self.tensor_offsets = np.cumsum([0] + self.sub_bytes[:-1]).tolist()
+        # Blocks that are one contiguous byte run are copied as raw bytes.
+        self.flat = [_byte_view(m) if m[0].is_contiguous() else None for m in moved]
+        self.single_run = len(moved) == 1 and self.flat[0] is not None
+
+    def pairs(self, offsets: list, engine_ids: np.ndarray, skip: int = 0) -> list[tuple[int, int]]:
+        """(pool offset, engine id) per engine block; ``None`` offsets are skipped.
+
+        ``engine_ids`` holds ``block_factor`` ids per kvtier block, minus
+        ``skip`` leading sub-blocks of the first kvtier block.
+        """
+        k, eb = self.block_factor, self.engine_block_bytes
+        ids = engine_ids.tolist()
+        out = []
+        for i, off in enumerate(offsets):
+            if off is None:
+                continue
+            first = skip if i == 0 else 0
+            base = i * k - skip
+            out.extend((off + j * eb, ids[base + j]) for j in range(first, k))
+        return out
+
+    def check_ids(self, engine_ids: np.ndarray) -> str | None:
+        """Reason the ids are invalid for this cache, or None."""
+        if engine_ids.size and (engine_ids.min() < 0 or engine_ids.max() >= self.num_blocks):
+            return f"block ids must be in [0, {self.num_blocks})"
+        return None
+
+    def copy(self, pool: torch.Tensor, pairs: list[tuple[int, int]], to_pool: bool) -> None:
+        """Copy between kvtier pool bytes and engine blocks; no temporaries."""
+        if self.single_run:
+            self._copy_runs(pool, pairs, to_pool)
+            return
+        for dst_off, eid in pairs:
+            for m, flat, sub, toff in zip(self.moved, self.flat, self.sub_bytes, self.tensor_offsets):
+                p = pool[dst_off + toff: dst_off + toff + sub]
+                if flat is not None:
+                    e = flat[eid * sub: (eid + 1) * sub]
+                else:
+                    e, p = m[eid], p.view(m.dtype).view(m.shape[1:])
+                (p.copy_(e) if to_pool else e.copy_(p))
+
+    def _copy_runs(self, pool: torch.Tensor, pairs: list[tuple[int, int]], to_pool: bool) -> None:
+        # One tensor whose blocks are contiguous: merge runs that are adjacent
+        # on both sides into one copy (the allocator hands out adjacent slots).
+        flat, sub = self.flat[0], self.sub_bytes[0]
+        i = 0
+        while i < len(pairs):
+            off, eid = pairs[i]
+            n = 1
+            while (i + n < len(pairs) and pairs[i + n][0] == off + n * sub
+                   and pairs[i + n][1] == eid + n):
+                n += 1
+            p, e = pool[off: off + n * sub], flat[eid * sub: (eid + n) * sub]
+            (p.copy_(e) if to_pool else e.copy_(p))
+            i += n
+
+
+def _byte_view(m: torch.Tensor) -> torch.Tensor | None:
+    """uint8 view where engine block b is bytes [b*sub, (b+1)*sub), or None."""
+    es = m.element_size()
+    sub = m[0].numel() * es
+    if m.shape[0] > 1 and m.stride(0) * es != sub:
+        return None  # blocks contiguous but not adjacent (padding between)
+    try:
+        return m.reshape(-1).view(torch.uint8) if m.is_contiguous() else None
+    except RuntimeError:
+        return None

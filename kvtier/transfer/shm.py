@@ -1,0 +1,125 @@
+"""CPU KV caches in named POSIX shared memory: the CPU twin of CUDA IPC.
+
+The worker allocates its KV tensors inside one named segment (``ShmKVCache``)
+and sends tensor specs (segment name, byte offset, dtype, shape, stride,
+block dim); the daemon maps the same segment by name (``open_specs``) and
+copies blocks directly, no serialization and no extra copy.
+
+Tensors are never sent through pipes or queues (that silently copies them);
+only names and offsets travel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+
+import torch
+
+from ..pool.segment import ShmSegment
+from .layout import DTYPES, dtype_name
+
+KV_PREFIX = "kvtier-kv."
+_ALIGN = 4096
+_counter = itertools.count()
+
+
+class SpecError(ValueError):
+    """A tensor spec from a client is invalid (the client's fault)."""
+
+
+class ShmKVCache:
+    """Client side: KV tensors placed in one shared-memory segment."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float16,
+                 mode: int = 0o600, name: str | None = None):
+        es = torch.empty((), dtype=dtype).element_size()
+        sizes = [_numel(s) * es for s in shapes]
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // _ALIGN) * _ALIGN
+        self.name = name or f"/{KV_PREFIX}{os.getpid()}.{next(_counter)}.{secrets.token_hex(3)}"
+        self.segment = ShmSegment(self.name, max(total, _ALIGN), create=True, mode=mode)
+        base = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
+        self.offsets = offsets
+        self.tensors = [base[o:o + n].view(dtype).view(s) for o, n, s in zip(offsets, sizes, shapes)]
+
+    def specs(self, block_dims: list[int]) -> list[dict]:
+        return [tensor_spec(self.name, o, t, d) for o, t, d in zip(self.offsets, self.tensors, block_dims)]
+
+    def close(self) -> None:
+        self.tensors = []
+        self.segment.close(unlink=True)
+
+
+def tensor_spec(segment: str, offset: int, t: torch.Tensor, block_dim: int) -> dict:
+    return {"kind": "shm", "seg": segment, "offset": offset, "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape), "stride": list(t.stride()), "block_dim": block_dim}
+
+
+def open_specs(specs: list, max_tensors: int = 4096) -> tuple[list[torch.Tensor], list[int], list[ShmSegment]]:
+    """Daemon side: map each spec's segment (once per name) and build the tensors."""
+    if not isinstance(specs, list) or not 0 < len(specs) <= max_tensors:
+        raise SpecError(f"tensors must be a list of 1..{max_tensors} specs")
+    segments: dict[str, ShmSegment] = {}
+    tensors, dims = [], []
+    try:
+        for i, spec in enumerate(specs):
+            seg_name, offset, dtype, shape, stride, block_dim = _check(spec, i)
+            if seg_name not in segments:
+                if not seg_name.lstrip("/").startswith(KV_PREFIX) or "/" in seg_name.lstrip("/"):
+                    raise SpecError(f"tensor {i}: segment name must start with /{KV_PREFIX}")
+                try:
+                    segments[seg_name] = ShmSegment(seg_name, populate=False)
+                except Exception as exc:
+                    raise SpecError(f"tensor {i}: cannot open {seg_name}: {exc}") from None
+            seg = segments[seg_name]
+            es = torch.empty((), dtype=dtype).element_size()
+            extent = (sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * es if all(shape) else 0
+            if offset % es or offset + extent > seg.size:
+                raise SpecError(f"tensor {i}: bytes [{offset}, {offset + extent}) outside "
+                                f"segment of {seg.size} bytes or misaligned")
+            base = torch.frombuffer(seg.buffer, dtype=torch.uint8)
+            count = (seg.size - offset) // es
+            tensors.append(base[offset:offset + count * es].view(dtype).as_strided(shape, stride))
+            dims.append(block_dim)
+    except BaseException:
+        tensors.clear()
+        for seg in segments.values():
+            seg.close()
+        raise
+    return tensors, dims, list(segments.values())
+
+
+def _check(spec, i):
+    if not isinstance(spec, dict) or spec.get("kind", "shm") != "shm":
+        raise SpecError(f"tensor {i}: expected a shm tensor spec")
+    seg, offset, dtype = spec.get("seg"), spec.get("offset"), spec.get("dtype")
+    shape, stride, block_dim = spec.get("shape"), spec.get("stride"), spec.get("block_dim")
+    if not isinstance(seg, str) or not 0 < len(seg) < 256:
+        raise SpecError(f"tensor {i}: seg must be a segment name")
+    if not _is_int(offset) or offset < 0:
+        raise SpecError(f"tensor {i}: offset must be an int >= 0")
+    if dtype not in DTYPES:
+        raise SpecError(f"tensor {i}: unsupported dtype {dtype!r}")
+    for name, v in (("shape", shape), ("stride", stride)):
+        if not isinstance(v, list) or not 0 < len(v) <= 8 or not all(_is_int(x) and 0 <= x < 2**40 for x in v):
+            raise SpecError(f"tensor {i}: {name} must be a list of 1..8 non-negative ints")
+    if len(shape) != len(stride):
+        raise SpecError(f"tensor {i}: shape and stride lengths differ")
+    if not _is_int(block_dim) or not 0 <= block_dim < len(shape):
+        raise SpecError(f"tensor {i}: block_dim out of range")
+    return seg, offset, DTYPES[dtype], shape, stride, block_dim
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
