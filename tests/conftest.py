@@ -1,0 +1,95 @@
+"""Shared fixtures: a real daemon process on a private socket, engine caches."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    if not has_cuda:
+        skip = pytest.mark.skip(reason="needs CUDA; no GPU on this machine")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+class DaemonProc:
+    """A kvtier-daemon subprocess; ``stop()`` sends SIGTERM and waits."""
+
+    def __init__(self, tmp_path, pool_size="64MiB", slab_size="4MiB", extra=(), env=None):
+        self.socket = str(tmp_path / f"kvt-{uuid.uuid4().hex[:8]}.sock")
+        self.log_path = tmp_path / f"daemon-{uuid.uuid4().hex[:6]}.log"
+        cmd = [sys.executable, "-m", "kvtier.daemon", "--socket", self.socket,
+               "--pool-size", pool_size, "--slab-size", slab_size, *extra]
+        full_env = {**os.environ, "PYTHONPATH": REPO, "KVTIER_REAP_INTERVAL_S": "0.1",
+                    **(env or {})}
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.read_log()}")
+            if os.path.exists(self.socket):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon did not start: {self.read_log()}")
+
+    def read_log(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def client(self, **kw):
+        from kvtier.client import Client
+        kw.setdefault("timeout", 10.0)
+        return Client(self.socket, **kw)
+
+    def stats(self) -> dict:
+        with self.client(heartbeat=False) as c:
+            return c.stats()
+
+    def stop(self, sig=signal.SIGTERM, timeout=30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    started = []
+
+    def start(**kw):
+        d = DaemonProc(tmp_path, **kw)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture
+def daemon(daemon_factory):
+    return daemon_factory()

@@ -1,0 +1,50 @@
+"""Engine-side helpers for tests: KV caches with known contents, child processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+
+import torch
+
+from kvtier.client import Namespace
+
+NS = Namespace("tiny-llama", "float16", "flashinfer", 16)
+# 4 layers of FlashInfer layout (num_blocks, 2, block_size, heads, head_dim): 16 KiB per block
+SHAPE = (32, 2, 16, 2, 32)
+LAYERS = 4
+
+
+def make_kv(shape=SHAPE, layers=LAYERS, dtype=torch.float16, seed=None):
+    from kvtier.client import ShmKVCache
+    kv = ShmKVCache([shape] * layers, dtype)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        for t in kv.tensors:
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).to(dtype))
+    return kv
+
+
+def block_bytes(kv, ids, dim=0):
+    """Concatenated bytes of engine blocks ``ids`` across all layers (for equality)."""
+    return [t.select(dim, i).clone() for i in ids for t in kv.tensors]
+
+
+def spawn(target, *args):
+    """Run ``target(*args)`` in a fresh interpreter (spawn: no inherited state)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_wrap, args=(target, q, args))
+    p.start()
+    return p, q
+
+
+def _wrap(target, q, args):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        q.put(("ok", target(*args)))
+    except BaseException as exc:  # report to the parent, which fails the test
+        import traceback
+        q.put(("error", traceback.format_exc()))
+        raise SystemExit(1) from exc
