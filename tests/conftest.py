@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+PROBE = "stats-probe"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -60,9 +61,13 @@ class DaemonProc:
         kw.setdefault("timeout", 10.0)
         return Client(self.socket, **kw)
 
-    def stats(self) -> dict:
-        with self.client(heartbeat=False) as c:
-            return c.stats()
+    def stats(self, check: bool = True) -> dict:
+        with self.client(heartbeat=False, name=PROBE) as c:
+            s = c.stats(check)
+        s["clients"] = [c for c in s["clients"] if c["name"] != PROBE]  # not the probe itself
+        if check:
+            assert s["integrity"] == "ok", s["integrity"]
+        return s
 
     def stop(self, sig=signal.SIGTERM, timeout=30.0) -> int:
         if self.proc.poll() is None:

@@ -124,8 +124,9 @@ class Client:
         return self._transfer(m.Load(reg.reg, pack_hashes(hashes), pack_ids(block_ids), skip), len(hashes))
 
     # ---- management --------------------------------------------------------------------
-    def stats(self) -> dict:
-        return self._call(m.Stats()).stats
+    def stats(self, check: bool = False) -> dict:
+        """The daemon's stats document; ``check`` also verifies pool integrity."""
+        return self._call(m.Stats(check)).stats
 
     def flush(self, namespace: Namespace | str | None = None) -> int:
         fp = namespace.fingerprint() if isinstance(namespace, Namespace) else (namespace or "")

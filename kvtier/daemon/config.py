@@ -41,6 +41,7 @@ class DaemonConfig:
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off
     log_level: str = "INFO"
+    copy_delay_s: float = 0.0       # fault injection for tests: stall every copy
 
     def __post_init__(self):
         def bad(key, why):
@@ -75,6 +76,8 @@ class DaemonConfig:
         for key in ("socket_mode", "shm_mode"):
             if not 0 <= getattr(self, key) <= 0o777:
                 bad(key, "must be a file mode like 0o660")
+        if not 0 <= self.copy_delay_s <= 60:
+            bad("copy_delay_s", "must be in [0, 60]")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
 

@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 
+from ..pool.allocator import IntegrityError
 from ..protocol import messages as m
 from ..protocol.arrays import pack_ids, unpack_hashes, unpack_ids
 from ..protocol.errors import ErrorCode
@@ -128,8 +129,16 @@ class Handlers:
         return None
 
     # ---- management ----------------------------------------------------------------
-    def on_stats(self, identity, client, req_id, msg):
-        return m.StatsReply(self.stats())
+    def on_stats(self, identity, client, req_id, msg: m.Stats):
+        stats = self.stats()
+        if msg.check:
+            try:
+                self.index.check_integrity()
+                stats["integrity"] = "ok"
+            except IntegrityError as exc:
+                log.error("integrity check failed: %s", exc)
+                stats["integrity"] = str(exc)
+        return m.StatsReply(stats)
 
     def on_flush(self, identity, client, req_id, msg: m.Flush):
         ns = None

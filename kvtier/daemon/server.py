@@ -191,6 +191,7 @@ class Daemon(Handlers, StatsMixin):
                 client.last_seen = time.monotonic()
             reply = handler(identity, client, req_id, msg)
         except (ProtocolError, DaemonError) as exc:
+            req_id = getattr(exc, "request_id", req_id)  # decode failures still echo the id
             reply = self._error(exc.code, exc.message, client)
         except Exception as exc:  # a bug: answer, log, keep serving
             log.exception("internal error handling a request from %r", client.id if client else identity)
@@ -213,8 +214,14 @@ class Daemon(Handlers, StatsMixin):
     def start_copy(self, op: Op, pairs, to_pool: bool) -> None:
         op.reg.inflight += 1
         op.client.ops.add(op)
-        layout, pool = op.reg.layout, self.pool
-        self.worker.submit(op, lambda: layout.copy(pool, pairs, to_pool))
+        layout, pool, delay = op.reg.layout, self.pool, self.config.copy_delay_s
+
+        def copy():
+            if delay:
+                time.sleep(delay)
+            layout.copy(pool, pairs, to_pool)
+
+        self.worker.submit(op, copy)
 
     def _finish_copies(self) -> None:
         for op, error in self.worker.completed():

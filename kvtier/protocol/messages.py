@@ -116,6 +116,7 @@ class Discard:
 
 @message("stat")
 class Stats:
+    check: bool = False     # also run the pool's integrity check (O(blocks))
     TAG: ClassVar[str]
 
 
