@@ -6,7 +6,7 @@ sends a PING when the client has been quiet for a heartbeat period, so the
 daemon can tell a live idle client from a hung one.
 
 Primitives: ``register_kv_cache``, ``lookup``, ``store``/``load`` (handles),
-``stats``, ``flush``, ``close``.
+``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``close``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import itertools
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import zmq
 
@@ -123,6 +123,31 @@ class Client:
         self._check_len(len(block_ids), len(hashes) * self.block_factor - skip)
         return self._transfer(m.Load(reg.reg, pack_hashes(hashes), pack_ids(block_ids), skip), len(hashes))
 
+    # ---- request swap --------------------------------------------------------------------
+    def offload(self, request: str | Mapping[str, Sequence[int]],
+                block_ids: Sequence[int] | None = None) -> TransferHandle:
+        """Swap preempted requests' engine blocks out to the pool.
+
+        ``offload("req-1", ids)`` or ``offload({"req-1": ids, "req-2": ids2})``.
+        Requests that do not fit (pool full of swap, quota) come back in
+        ``result.failed_requests`` at once, without a copy: soft-reset those.
+        Keep the blocks untouched until the handle is done."""
+        reqs = {request: block_ids} if isinstance(request, str) else dict(request)
+        if not reqs or any(ids is None or len(ids) == 0 for ids in reqs.values()):
+            raise ValueError("offload needs at least one request with at least one block")
+        msg = m.Offload(self.registration.reg, [[r, pack_ids(ids)] for r, ids in reqs.items()])
+        return self._transfer(msg, len(reqs), names=tuple(reqs))
+
+    def restore(self, request: str, block_ids: Sequence[int]) -> TransferHandle:
+        """Copy a swapped request back into (new) engine blocks and free its swap
+        space. ``block_ids`` must have as many ids as were offloaded."""
+        return self._transfer(m.Restore(self.registration.reg, request, pack_ids(block_ids)),
+                              len(block_ids))
+
+    def discard(self, request: str) -> None:
+        """Free a swapped request (cancelled). Raises KVTierError if unknown."""
+        self._call(m.Discard(self.registration.reg, request))
+
     # ---- management --------------------------------------------------------------------
     def stats(self, check: bool = False) -> dict:
         """The daemon's stats document; ``check`` also verifies pool integrity."""
@@ -141,13 +166,13 @@ class Client:
         if got != want:
             raise ValueError(f"expected {want} block ids, got {got}")
 
-    def _transfer(self, msg, count: int) -> TransferHandle:
+    def _transfer(self, msg, count: int, names: tuple[str, ...] = ()) -> TransferHandle:
         deadline = time.monotonic() + self.transfer_timeout
         try:
             req_id = self._send(msg)
         except DaemonUnavailable as exc:
-            return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc)))
-        return TransferHandle(self, req_id, count, deadline)
+            return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc), names))
+        return TransferHandle(self, req_id, count, deadline, names=names)
 
     def _send(self, msg) -> int:
         req_id = next(self._ids)

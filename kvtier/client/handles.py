@@ -20,10 +20,16 @@ class TransferResult:
     failed: tuple[int, ...]       # indices into the call's hashes / requests
     no_space: bool = False        # some blocks failed for lack of room
     error: str = ""               # why everything failed (timeout, daemon gone)
+    names: tuple[str, ...] = ()   # offload: the request ids, in call order
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    @property
+    def failed_requests(self) -> tuple[str, ...]:
+        """Offload: request ids that were not offloaded (soft-reset those)."""
+        return tuple(self.names[i] for i in self.failed)
 
 
 class TransferHandle:
@@ -31,9 +37,9 @@ class TransferHandle:
     a load's destination blocks) must not be reused until the handle is done."""
 
     def __init__(self, client: "Client | None", req_id: int, count: int, deadline: float,
-                 result: TransferResult | None = None):
+                 result: TransferResult | None = None, names: tuple[str, ...] = ()):
         self._client, self._req_id, self._count = client, req_id, count
-        self._deadline, self._result = deadline, result
+        self._deadline, self._result, self._names = deadline, result, names
 
     def done(self) -> bool:
         if self._result is None:
@@ -50,7 +56,7 @@ class TransferHandle:
                 if timeout is not None and time.monotonic() < self._deadline:
                     raise TimeoutError(f"transfer not finished within {timeout}s")
                 self._client._abandon(self._req_id)
-                self._result = failed_all(self._count, "timeout waiting for the daemon")
+                self._result = failed_all(self._count, "timeout waiting for the daemon", self._names)
         return self._result
 
     def _resolve(self, reply) -> None:
@@ -58,10 +64,11 @@ class TransferHandle:
             return
         if isinstance(reply, m.TransferDone):
             self._result = TransferResult(reply.done, reply.skipped,
-                                          tuple(unpack_ids(reply.failed).tolist()), reply.no_space)
+                                          tuple(unpack_ids(reply.failed).tolist()), reply.no_space,
+                                          names=self._names)
         else:  # error reply or transport failure
-            self._result = failed_all(self._count, str(reply))
+            self._result = failed_all(self._count, str(reply), self._names)
 
 
-def failed_all(count: int, error: str) -> TransferResult:
-    return TransferResult(0, 0, tuple(range(count)), False, error)
+def failed_all(count: int, error: str, names: tuple[str, ...] = ()) -> TransferResult:
+    return TransferResult(0, 0, tuple(range(count)), False, error, names)

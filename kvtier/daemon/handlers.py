@@ -128,12 +128,85 @@ class Handlers:
                            extra=reply), pairs, to_pool=False)
         return None
 
+    # ---- request swap -------------------------------------------------------------
+    def on_offload(self, identity, client, req_id, msg: m.Offload):
+        reg = self.registration(client, msg.reg)
+        parsed = self.swap_requests(reg, msg.requests)
+        accepted, failed, full = [], [], False
+        for i, (request, ids) in enumerate(parsed):
+            rec, why = self.swap.prepare_offload(client.id, client.swap_quota, reg.ns, request,
+                                                 len(ids), reg.layout.block_factor)
+            if rec is None:
+                failed.append(i)
+                full |= why in ("no_space", "quota")
+                log.debug("offload of %r refused: %s", request, why)
+            else:
+                accepted.append((i, rec, ids))
+        reply = lambda bad: m.TransferDone(  # noqa: E731
+            len(parsed) - len(bad), 0, pack_ids(sorted(bad)), full)
+        if not accepted:
+            return reply(failed)
+        pairs = [p for _, rec, ids in accepted for p in reg.layout.pairs_flat(rec.offsets, ids)]
+        self.start_copy(Op("offload", client, reg, req_id, accepted, len(pairs) * reg.layout.engine_block_bytes,
+                           extra=lambda bad: reply(failed + bad)), pairs, to_pool=True)
+        return None
+
+    def on_restore(self, identity, client, req_id, msg: m.Restore):
+        reg = self.registration(client, msg.reg)
+        ids = unpack_ids(msg.blocks)
+        rec = self.swap.records.get((client.id, msg.request))
+        if rec is None or rec.ns is not reg.ns:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"no swapped request {msg.request[:64]!r}")
+        if len(ids) != rec.engine_blocks:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT,
+                              f"request {msg.request[:64]!r} has {rec.engine_blocks} blocks, got {len(ids)} ids")
+        why = reg.layout.check_ids(ids)
+        if why:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, why)
+        if self.swap.prepare_restore(client.id, msg.request) is None:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"request {msg.request[:64]!r} is not ready "
+                              f"({rec.state}): wait for its offload first")
+        n = len(ids)
+        self.start_copy(Op("restore", client, reg, req_id, rec, n * reg.layout.engine_block_bytes,
+                           extra=lambda bad: m.TransferDone(0 if bad else n, 0,
+                                                            pack_ids(range(n) if bad else []))),
+                        reg.layout.pairs_flat(rec.offsets, ids), to_pool=False)
+        return None
+
+    def on_discard(self, identity, client, req_id, msg: m.Discard):
+        self.registration(client, msg.reg)
+        if not self.swap.discard(client.id, msg.request):
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"no swapped request {msg.request[:64]!r}")
+        return m.Ok()
+
+    def swap_requests(self, reg: Registration, requests: list) -> list[tuple[str, np.ndarray]]:
+        if not 0 < len(requests) <= 4096:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "requests must hold 1..4096 entries")
+        out, seen = [], set()
+        for i, item in enumerate(requests):
+            if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                    or not isinstance(item[1], bytes) or not 0 < len(item[0]) <= 256):
+                raise DaemonError(ErrorCode.BAD_ARGUMENT,
+                                  f"requests[{i}] must be [request_id (1..256 chars), block ids]")
+            if item[0] in seen:
+                raise DaemonError(ErrorCode.BAD_ARGUMENT, f"request {item[0][:64]!r} listed twice")
+            seen.add(item[0])
+            ids = unpack_ids(item[1])
+            if not 0 < len(ids) <= MAX_BLOCKS_PER_OP:
+                raise DaemonError(ErrorCode.BAD_ARGUMENT, f"requests[{i}] needs 1..{MAX_BLOCKS_PER_OP} blocks")
+            why = reg.layout.check_ids(ids)
+            if why:
+                raise DaemonError(ErrorCode.BAD_ARGUMENT, f"requests[{i}]: {why}")
+            out.append((item[0], ids))
+        return out
+
     # ---- management ----------------------------------------------------------------
     def on_stats(self, identity, client, req_id, msg: m.Stats):
         stats = self.stats()
         if msg.check:
             try:
                 self.index.check_integrity()
+                self.swap.check_integrity()
                 stats["integrity"] = "ok"
             except IntegrityError as exc:
                 log.error("integrity check failed: %s", exc)

@@ -24,6 +24,7 @@ import zmq
 from ..pool.allocator import SlabAllocator
 from ..pool.index import BlockIndex
 from ..pool.policy import POLICIES
+from ..pool.swap import SwapTable
 from ..pool.segment import ShmSegment, cleanup_stale, pid_of, unlink_segment
 from ..pool.sizes import format_size
 from ..protocol import messages as m
@@ -68,6 +69,7 @@ class Daemon(Handlers, StatsMixin):
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size),
                                 POLICIES[config.policy]())
         self.index.record_events = bool(config.events)
+        self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
         self.worker = CopyWorker(config.copy_threads)
         self._bind()
         log.info("kvtier-daemon pid %d: pool %s (%s), socket %s", os.getpid(), self.pool_name,
@@ -243,6 +245,13 @@ class Daemon(Handlers, StatsMixin):
 
     def complete_plan(self, op: Op, error: bool) -> list[int]:
         plan = op.plan
+        if op.kind == "offload":
+            for _, rec, _ in plan:
+                self.swap.complete_offload(rec, not error)
+            return [i for i, _, _ in plan] if error else []
+        if op.kind == "restore":
+            self.swap.complete_restore(plan, not error)
+            return [0] if error else []
         written = [i for i, e in enumerate(plan.entries) if e is not None]
         if op.kind == "store":
             self.index.complete_store(plan, failed=written if error else ())
@@ -297,7 +306,9 @@ class Daemon(Handlers, StatsMixin):
                 unlink_segment(prefix + name[len(KV_PREFIX):])
 
     def release_swap(self, c: ClientState) -> None:
-        pass  # swap lands with the request-swap table
+        n = self.swap.release_owner(c.id)
+        if n:
+            log.info("client %d: freed %d swapped requests", c.id, n)
 
     # ---- events --------------------------------------------------------------------------
     def _publish_events(self) -> None:

@@ -40,8 +40,7 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     regs: dict = field(default_factory=dict)
     ops: set = field(default_factory=set)
-    swap_quota: int = 0
-    swap_bytes: int = 0
+    swap_quota: int = 0               # bytes; 0 = only the pool-wide swap cap applies
 
     def process_alive(self) -> bool:
         if self.start_time is None:

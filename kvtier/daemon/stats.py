@@ -27,13 +27,13 @@ class StatsMixin:
         lookups_blocks = totals["hits"] + totals["misses"]
         totals["hit_rate"] = totals["hits"] / lookups_blocks if lookups_blocks else 0.0
         for k in ("store_bytes", "load_bytes", "stores", "loads", "offload_bytes", "restore_bytes",
-                  "requests", "reaped"):
+                  "offloads", "restores", "requests", "reaped"):
             totals[k] = self.counters[k]
         clients = [{"id": c.id, "pid": c.pid, "name": c.name,
                     "connected_s": round(time.time() - c.connected, 3),
                     "namespaces": sorted({r.ns.fingerprint for r in c.regs.values()}),
-                    "inflight": len(c.ops), "swap_bytes": c.swap_bytes, "swap_quota": c.swap_quota,
-                    "swap_requests": len(getattr(c, "swap", {}) or {})}
+                    "inflight": len(c.ops), "swap_bytes": self.swap.owner_bytes(c.id),
+                    "swap_quota": c.swap_quota, "swap_requests": self.swap.owner_requests(c.id)}
                    for c in self.clients.values()]
         return {
             "version": PROTOCOL_VERSION, "pid": os.getpid(),
@@ -45,6 +45,8 @@ class StatsMixin:
                      "blocks": sum(1 for n in self.index.namespaces.values()
                                    for e in n.entries.values() if e.state == READY),
                      "evictions": self.index.evictions, "policy": self.config.policy},
+            "swap": {"bytes": self.swap.total_bytes, "max_bytes": self.swap.max_bytes,
+                     "requests": len(self.swap.records)},
             "namespaces": namespaces, "clients": clients, "totals": totals,
             "errors": dict(self.errors),
         }

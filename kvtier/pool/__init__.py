@@ -5,9 +5,10 @@ from .index import READY, WRITING, BlockIndex, LoadPlan, Namespace, StorePlan
 from .policy import POLICIES, FIFOPolicy, LRUPolicy
 from .segment import SegmentError, ShmSegment, cleanup_stale, unlink_segment
 from .sizes import format_size, parse_size
+from .swap import SwapRecord, SwapTable
 
 __all__ = [
     "POLICIES", "READY", "WRITING", "BlockIndex", "FIFOPolicy", "IntegrityError", "LRUPolicy",
-    "LoadPlan", "Namespace", "SegmentError", "ShmSegment", "SlabAllocator", "StorePlan",
+    "LoadPlan", "Namespace", "SegmentError", "ShmSegment", "SlabAllocator", "StorePlan", "SwapRecord", "SwapTable",
     "cleanup_stale", "format_size", "parse_size", "unlink_segment",
 ]

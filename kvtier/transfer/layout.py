@@ -76,6 +76,12 @@ class KVLayout:
             out.extend((off + j * eb, ids[base + j]) for j in range(first, k))
         return out
 
+    def pairs_flat(self, offsets: list[int], engine_ids: np.ndarray) -> list[tuple[int, int]]:
+        """Pairs for swap: engine block i goes to sub-block i % k of slot i // k
+        (the last slot may be partly used)."""
+        k, eb = self.block_factor, self.engine_block_bytes
+        return [(offsets[i // k] + (i % k) * eb, e) for i, e in enumerate(engine_ids.tolist())]
+
     def check_ids(self, engine_ids: np.ndarray) -> str | None:
         """Reason the ids are invalid for this cache, or None."""
         if engine_ids.size and (engine_ids.min() < 0 or engine_ids.max() >= self.num_blocks):
