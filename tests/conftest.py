@@ -31,8 +31,8 @@ def pytest_collection_modifyitems(config, items):
 class DaemonProc:
     """A kvtier-daemon subprocess; ``stop()`` sends SIGTERM and waits."""
 
-    def __init__(self, tmp_path, pool_size="64MiB", slab_size="4MiB", extra=(), env=None):
-        self.socket = str(tmp_path / f"kvt-{uuid.uuid4().hex[:8]}.sock")
+    def __init__(self, tmp_path, pool_size="64MiB", slab_size="4MiB", extra=(), env=None, socket=None):
+        self.socket = socket or str(tmp_path / f"kvt-{uuid.uuid4().hex[:8]}.sock")
         self.log_path = tmp_path / f"daemon-{uuid.uuid4().hex[:6]}.log"
         cmd = [sys.executable, "-m", "kvtier.daemon", "--socket", self.socket,
                "--pool-size", pool_size, "--slab-size", slab_size, *extra]
@@ -47,7 +47,7 @@ class DaemonProc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.read_log()}")
-            if os.path.exists(self.socket):
+            if os.path.exists(self.socket) and "kvtier-daemon pid" in self.read_log():
                 return
             time.sleep(0.05)
         raise RuntimeError(f"daemon did not start: {self.read_log()}")

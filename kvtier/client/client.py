@@ -1,17 +1,25 @@
 """The engine-side client: one DEALER socket to the daemon.
 
 Thread-safe for one engine worker: calls from several threads share the socket
-under a lock; replies are matched to requests by id. A background thread
-sends a PING when the client has been quiet for a heartbeat period, so the
-daemon can tell a live idle client from a hung one.
+under a lock; replies are matched to requests by id.
+
+The daemon must never be the reason an engine stalls or crashes. A background
+thread pings the daemon every heartbeat period; when the daemon stops
+answering (killed, restarting) the session is marked lost and the client
+degrades instead of raising: ``lookup`` returns 0, transfers resolve at once
+with every block failed (so the engine recomputes), ``discard`` is a no-op.
+The same thread reconnects when a daemon is back and replays the
+registration, so the engine keeps working without noticing more than misses.
 
 Primitives: ``register_kv_cache``, ``lookup``, ``store``/``load`` (handles),
-``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``close``.
+``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``close``,
+``connected``.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -31,10 +39,16 @@ from .namespace import Namespace
 if TYPE_CHECKING:  # torch is only needed by engines that allocate KV tensors
     from ..transfer.shm import ShmKVCache
 
+log = logging.getLogger("kvtier.client")
+SESSION_LOST = ErrorCode.NOT_CONNECTED
+
 
 class Client:
     def __init__(self, socket: str | None = None, *, name: str = "", timeout: float = 5.0,
-                 transfer_timeout: float = 60.0, token: str = "", heartbeat: bool = True):
+                 transfer_timeout: float = 60.0, token: str = "", heartbeat: bool = True,
+                 require_daemon: bool = True):
+        """Connect and say HELLO. With ``require_daemon=False`` a missing daemon
+        is not an error: the client starts degraded and connects when one appears."""
         self.socket_path = socket or default_socket()
         self.name = name or f"pid{os.getpid()}"
         self.timeout, self.transfer_timeout, self.token = timeout, transfer_timeout, token
@@ -42,13 +56,22 @@ class Client:
         self._lock = threading.RLock()
         self._replies: dict[int, object] = {}
         self._waiting: set[int] = set()
-        self._last_send = time.monotonic()
         self._ctx = zmq.Context.instance()
         self._sock = None
+        self._register_args: tuple | None = None
         self._reg: m.Registered | None = None
         self.kv: "ShmKVCache | None" = None
+        self.block_factor = 1
+        self.heartbeat_s = 1.0
+        self.reconnects = 0
+        self._healthy = False
         self._closed = False
-        self._connect()
+        try:
+            self._open_session(self.timeout)
+        except DaemonUnavailable:
+            if require_daemon:
+                self._close_socket()
+                raise
         self._hb_stop = threading.Event()
         self._hb = None
         if heartbeat:
@@ -56,28 +79,58 @@ class Client:
             self._hb.start()
 
     # ---- session --------------------------------------------------------------------
-    def _connect(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
-        sock.connect(endpoint(self.socket_path))
-        self._sock = sock
-        pid = 0 if self.socket_path.startswith("tcp://") else os.getpid()
-        welcome = self._call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token))
-        self.client_id, self.heartbeat_s = welcome.client_id, welcome.heartbeat_s
-        self.max_message = welcome.max_message
+    @property
+    def connected(self) -> bool:
+        return self._healthy
+
+    def _open_session(self, wait: float) -> None:
+        """New socket, HELLO, replay the registration. Raises DaemonUnavailable."""
+        with self._lock:
+            self._close_socket()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
+            sock.connect(endpoint(self.socket_path))
+            self._sock = sock
+            pid = 0 if self.socket_path.startswith("tcp://") else os.getpid()
+            welcome = self._call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token),
+                                 timeout=wait, connect_wait=wait)
+            self.client_id, self.heartbeat_s = welcome.client_id, welcome.heartbeat_s
+            self.max_message = welcome.max_message
+            if self._register_args is not None:
+                self._reg = self._call(m.Register(*self._register_args), timeout=wait)
+            self._healthy = True
+
+    def _lose_session(self, why: str) -> None:
+        """Mark the daemon gone: every waiting request resolves as failed now."""
+        with self._lock:
+            if not self._healthy:
+                return
+            self._healthy = False
+            lost = m.Error(int(SESSION_LOST), f"daemon connection lost: {why}", "daemon")
+            for rid in self._waiting:
+                self._replies.setdefault(rid, lost)
+        log.warning("kvtier: %s; degrading (0 hits, transfers fail) until it is back", why)
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._hb_stop.set()
-        try:
-            self._call(m.Bye(), timeout=min(self.timeout, 1.0))
-        except KVTierError:
-            pass
+        if self._hb is not None:
+            self._hb_stop.set()
+            self._hb.join(timeout=5)
+        if self._healthy:
+            try:
+                self._call(m.Bye(), timeout=min(self.timeout, 1.0))
+            except KVTierError:
+                pass
         with self._lock:
-            self._sock.close(0)
+            self._close_socket()
 
     def __enter__(self):
         return self
@@ -87,41 +140,55 @@ class Client:
 
     # ---- registration ---------------------------------------------------------------
     def register_kv_cache(self, kv: "ShmKVCache", block_dims: Sequence[int], namespace: Namespace | str,
-                          block_factor: int = 1, swap_quota: int = -1) -> m.Registered:
+                          block_factor: int = 1, swap_quota: int = -1) -> m.Registered | None:
         """Export the engine's KV tensors once. ``block_dims[i]`` is the dimension
         of tensor i that indexes engine blocks (1 for FlashAttention's
-        ``(2, num_blocks, ...)``, 0 for FlashInfer/MLA)."""
+        ``(2, num_blocks, ...)``, 0 for FlashInfer/MLA). Replayed automatically
+        after a daemon restart; returns None while no daemon is reachable."""
         fp = namespace.fingerprint() if isinstance(namespace, Namespace) else namespace
-        reply = self._call(m.Register(fp, kv.specs(list(block_dims)), block_factor, swap_quota))
-        self._reg, self.kv = reply, kv
-        self.block_factor = block_factor
-        return reply
-
-    @property
-    def registration(self) -> m.Registered:
-        if self._reg is None:
-            raise KVTierError(ErrorCode.UNKNOWN_NAMESPACE, "register_kv_cache first", "client")
+        args = (fp, kv.specs(list(block_dims)), block_factor, swap_quota)
+        self.kv, self.block_factor = kv, block_factor
+        if not self._healthy:
+            self._register_args = args
+            return None
+        self._reg = self._call(m.Register(*args))
+        self._register_args = args
         return self._reg
+
+    def _reg_id(self) -> int:
+        if self._register_args is None:
+            raise KVTierError(ErrorCode.UNKNOWN_NAMESPACE, "register_kv_cache first", "client")
+        return self._reg.reg if self._reg is not None else 0
 
     # ---- prefix cache ------------------------------------------------------------------
     def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Number of leading ``hashes`` ready in the pool (one round trip)."""
-        return self._call(m.Lookup(self.registration.reg, pack_hashes(hashes))).hits
+        """Number of leading ``hashes`` ready in the pool (one round trip); 0
+        while the daemon is unreachable."""
+        msg = m.Lookup(self._reg_id(), pack_hashes(hashes))
+        if not self._healthy:
+            return 0
+        try:
+            return self._call(msg).hits
+        except DaemonUnavailable as exc:
+            self._lose_session(str(exc))
+        except KVTierError as exc:
+            if exc.code != SESSION_LOST:
+                raise
+        return 0
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferHandle:
         """Copy engine blocks into the pool under ``hashes`` (block_factor ids
         per hash). Blocks already stored are skipped. Do not overwrite the
         source blocks until the handle is done."""
-        reg = self.registration
         self._check_len(len(block_ids), len(hashes) * self.block_factor)
-        return self._transfer(m.Store(reg.reg, pack_hashes(hashes), pack_ids(block_ids)), len(hashes))
+        return self._transfer(m.Store(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids)), len(hashes))
 
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0) -> TransferHandle:
         """Copy pool blocks into engine blocks. The result's ``failed`` lists the
         hashes that were not loaded: the engine must recompute those."""
-        reg = self.registration
         self._check_len(len(block_ids), len(hashes) * self.block_factor - skip)
-        return self._transfer(m.Load(reg.reg, pack_hashes(hashes), pack_ids(block_ids), skip), len(hashes))
+        return self._transfer(m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip),
+                              len(hashes))
 
     # ---- request swap --------------------------------------------------------------------
     def offload(self, request: str | Mapping[str, Sequence[int]],
@@ -135,18 +202,23 @@ class Client:
         reqs = {request: block_ids} if isinstance(request, str) else dict(request)
         if not reqs or any(ids is None or len(ids) == 0 for ids in reqs.values()):
             raise ValueError("offload needs at least one request with at least one block")
-        msg = m.Offload(self.registration.reg, [[r, pack_ids(ids)] for r, ids in reqs.items()])
+        msg = m.Offload(self._reg_id(), [[r, pack_ids(ids)] for r, ids in reqs.items()])
         return self._transfer(msg, len(reqs), names=tuple(reqs))
 
     def restore(self, request: str, block_ids: Sequence[int]) -> TransferHandle:
         """Copy a swapped request back into (new) engine blocks and free its swap
         space. ``block_ids`` must have as many ids as were offloaded."""
-        return self._transfer(m.Restore(self.registration.reg, request, pack_ids(block_ids)),
-                              len(block_ids))
+        return self._transfer(m.Restore(self._reg_id(), request, pack_ids(block_ids)), len(block_ids))
 
     def discard(self, request: str) -> None:
-        """Free a swapped request (cancelled). Raises KVTierError if unknown."""
-        self._call(m.Discard(self.registration.reg, request))
+        """Free a swapped request (cancelled). Raises KVTierError if unknown;
+        a no-op while the daemon is unreachable (its swap is gone anyway)."""
+        msg = m.Discard(self._reg_id(), request)
+        if self._healthy:
+            try:
+                self._call(msg)
+            except DaemonUnavailable as exc:
+                self._lose_session(str(exc))
 
     # ---- management --------------------------------------------------------------------
     def stats(self, check: bool = False) -> dict:
@@ -168,35 +240,39 @@ class Client:
 
     def _transfer(self, msg, count: int, names: tuple[str, ...] = ()) -> TransferHandle:
         deadline = time.monotonic() + self.transfer_timeout
+        if not self._healthy:
+            return TransferHandle(self, 0, count, deadline,
+                                  failed_all(count, "daemon unavailable", names))
         try:
             req_id = self._send(msg)
         except DaemonUnavailable as exc:
+            self._lose_session(str(exc))
             return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc), names))
         return TransferHandle(self, req_id, count, deadline, names=names)
 
-    def _send(self, msg) -> int:
+    def _send(self, msg, connect_wait: float | None = None) -> int:
         req_id = next(self._ids)
         frame = encode(msg, req_id)
+        wait = min(self.timeout, 1.0) if connect_wait is None else connect_wait
         with self._lock:
-            # IMMEDIATE: writable only once a daemon is connected. Wait a bounded
-            # time for the connection (fresh socket, daemon restarting).
-            if not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+            # IMMEDIATE: writable only while a daemon is connected. Wait a bounded
+            # time (fresh socket, daemon restarting), then report it missing.
+            if self._sock is None or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
                 raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}")
             try:
                 self._sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}") from None
             self._waiting.add(req_id)
-            self._last_send = time.monotonic()
         return req_id
 
-    def _call(self, msg, timeout: float | None = None):
-        req_id = self._send(msg)
-        reply = self._poll_reply(req_id, self.timeout if timeout is None else timeout)
+    def _call(self, msg, timeout: float | None = None, connect_wait: float | None = None):
+        timeout = self.timeout if timeout is None else timeout
+        req_id = self._send(msg, connect_wait)
+        reply = self._poll_reply(req_id, timeout)
         if reply is None:
             self._abandon(req_id)
-            raise DaemonUnavailable(f"no reply from {self.socket_path} within "
-                                    f"{self.timeout if timeout is None else timeout}s")
+            raise DaemonUnavailable(f"no reply from {self.socket_path} within {timeout}s")
         if isinstance(reply, m.Error):
             raise KVTierError(reply.code, reply.message, reply.side)
         return reply
@@ -211,11 +287,13 @@ class Client:
                     return self._replies.pop(req_id)
                 remaining = deadline - time.monotonic()
                 # Short slices so another thread's reply is never held back long.
-                if self._sock.poll(int(max(0.0, min(remaining, 0.05)) * 1000)):
+                if self._sock is not None and self._sock.poll(int(max(0.0, min(remaining, 0.05)) * 1000)):
                     self._drain()
                     continue
             if remaining <= 0:
                 return None
+            if self._sock is None:
+                time.sleep(min(remaining, 0.05))
 
     def _drain(self) -> None:
         while True:
@@ -224,6 +302,8 @@ class Client:
             except zmq.Again:
                 return
             rid, reply = decode(frame, 1 << 30)
+            if isinstance(reply, m.Error) and reply.code == SESSION_LOST:
+                self._healthy = False  # the daemon forgot us (restart, reaped): reconnect
             if rid in self._waiting:
                 self._replies[rid] = reply
 
@@ -233,12 +313,22 @@ class Client:
             self._replies.pop(req_id, None)
 
     def _heartbeat(self) -> None:
-        while not self._hb_stop.wait(self.heartbeat_s / 2):
-            if time.monotonic() - self._last_send < self.heartbeat_s:
-                continue
-            try:
-                rid = self._send(m.Ping())
-                self._abandon(rid)  # the reply is not needed, only the traffic
-            except (KVTierError, zmq.ZMQError):
-                pass
+        while not self._hb_stop.wait(self.heartbeat_s):
+            if self._healthy:
+                try:
+                    self._call(m.Ping(), timeout=max(2 * self.heartbeat_s, 1.0))
+                except DaemonUnavailable as exc:
+                    self._lose_session(str(exc))
+                except KVTierError as exc:
+                    if exc.code == SESSION_LOST:
+                        self._lose_session("the daemon no longer knows this client")
+            else:
+                self._reconnect()
 
+    def _reconnect(self) -> None:
+        try:
+            self._open_session(min(self.timeout, 1.0))
+        except KVTierError:
+            return
+        self.reconnects += 1
+        log.warning("kvtier: reconnected to %s as client %d", self.socket_path, self.client_id)

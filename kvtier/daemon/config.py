@@ -31,8 +31,8 @@ class DaemonConfig:
     ram_fraction: float = 0.8       # refuse pools above this share of available RAM
     policy: str = "lru"
     max_message: int = MAX_MESSAGE_BYTES
-    heartbeat_s: float = 2.0        # clients ping at this period
-    reap_after_s: float = 10.0      # silence after which a client is reaped
+    heartbeat_s: float = 1.0        # clients ping at this period
+    reap_after_s: float = 5.0       # silence after which a client is reaped
     reap_interval_s: float = 0.5
     socket_mode: int = 0o660
     shm_mode: int = 0o600
@@ -42,6 +42,8 @@ class DaemonConfig:
     events: str = ""                # PUB endpoint for block events; "" = off
     log_level: str = "INFO"
     copy_delay_s: float = 0.0       # fault injection for tests: stall every copy
+    checksums: bool = False         # debug: crc32 per block at store, verified at load
+    socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
 
     def __post_init__(self):
         def bad(key, why):
@@ -96,6 +98,14 @@ def _coerce(key: str, value, source: str):
             return parse_size(value)
         if key.endswith("_mode"):
             return int(value, 8) if isinstance(value, str) else int(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
         if kind == "int":
             return int(value)
         if kind == "float":

@@ -10,10 +10,12 @@ allocator, client table) is touched only by this thread, so it needs no locks.
 from __future__ import annotations
 
 import fcntl
+import grp
 import logging
 import os
 import signal
 import time
+import zlib
 from collections import Counter
 
 import msgpack
@@ -69,6 +71,7 @@ class Daemon(Handlers, StatsMixin):
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size),
                                 POLICIES[config.policy]())
         self.index.record_events = bool(config.events)
+        self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
         self.worker = CopyWorker(config.copy_threads)
         self._bind()
@@ -113,6 +116,11 @@ class Daemon(Handlers, StatsMixin):
             os.umask(old)
         if self._lock_fd is not None:
             os.chmod(self.config.socket, self.config.socket_mode)
+            if self.config.socket_group:
+                try:
+                    os.chown(self.config.socket, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+                except (KeyError, PermissionError) as exc:
+                    raise StartupError(f"socket_group {self.config.socket_group!r}: {exc}") from None
         if self.config.tcp:
             self.router.bind(self.config.tcp)
         self.pub = None
@@ -217,11 +225,18 @@ class Daemon(Handlers, StatsMixin):
         op.reg.inflight += 1
         op.client.ops.add(op)
         layout, pool, delay = op.reg.layout, self.pool, self.config.copy_delay_s
+        if self.config.checksums:
+            op.slots = self._slots(op)
+        size, crcs, buf = op.reg.ns.block_bytes, self.crcs, self.segment.buffer
 
         def copy():
             if delay:
                 time.sleep(delay)
+            if op.slots and not to_pool:  # verify before the bytes reach the engine
+                op.bad = sorted({i for i, off in op.slots if _crc(buf, off, size) != crcs.get(off)})
             layout.copy(pool, pairs, to_pool)
+            if op.slots and to_pool:
+                op.crcs = [(off, _crc(buf, off, size)) for _, off in op.slots]
 
         self.worker.submit(op, copy)
 
@@ -229,12 +244,24 @@ class Daemon(Handlers, StatsMixin):
         for op, error in self.worker.completed():
             self.finish_op(op, error)
 
+    @staticmethod
+    def _slots(op: Op) -> list[tuple[int, int]]:
+        if op.kind in ("store", "load"):
+            return [(i, e.offset) for i, e in enumerate(op.plan.entries) if e is not None]
+        if op.kind == "offload":
+            return [(i, off) for i, rec, _ in op.plan for off in rec.offsets]
+        return [(0, off) for off in op.plan.offsets]
+
     def finish_op(self, op: Op, error: BaseException | None) -> None:
         op.client.ops.discard(op)
         op.reg.inflight -= 1
         if error is not None:
             log.error("copy for client %d (%s) failed: %s", op.client.id, op.kind, error)
             self.errors["COPY_FAILED"] += 1
+        self.crcs.update(op.crcs)
+        if op.bad:
+            log.error("checksum mismatch on %d blocks loaded by client %d: dropping them", len(op.bad), op.client.id)
+            self.errors["CHECKSUM"] += len(op.bad)
         failed = self.complete_plan(op, error is not None)
         self.counters[op.kind + "_bytes"] += 0 if error else op.nbytes
         self.counters[op.kind + "s"] += 1
@@ -249,15 +276,17 @@ class Daemon(Handlers, StatsMixin):
             for _, rec, _ in plan:
                 self.swap.complete_offload(rec, not error)
             return [i for i, _, _ in plan] if error else []
-        if op.kind == "restore":
-            self.swap.complete_restore(plan, not error)
-            return [0] if error else []
+        if op.kind == "restore":  # corrupt data is freed too: the engine recomputes
+            self.swap.complete_restore(plan, not error or bool(op.bad))
+            return [0] if error or op.bad else []
         written = [i for i, e in enumerate(plan.entries) if e is not None]
         if op.kind == "store":
             self.index.complete_store(plan, failed=written if error else ())
             return plan.no_space + (written if error else [])
-        self.index.complete_load(plan, failed=written if error else ())
-        return plan.missing + (written if error else [])
+        self.index.complete_load(plan, failed=written if error else op.bad)
+        for i in op.bad:
+            self.index.discard(plan.entries[i])
+        return sorted(set(plan.missing + (written if error else op.bad)))
 
     # ---- clients -----------------------------------------------------------------------
     def reap_dead(self) -> None:
@@ -358,6 +387,10 @@ class Daemon(Handlers, StatsMixin):
         for fd in (self._sig_r, self._sig_w):
             os.close(fd)
         log.info("kvtier-daemon stopped")
+
+
+def _crc(buf, offset: int, size: int) -> int:
+    return zlib.crc32(memoryview(buf)[offset:offset + size])
 
 
 REQUEST_TAGS = {cls.TAG for cls in (m.Hello, m.Register, m.Unregister, m.Lookup, m.Store, m.Load,

@@ -72,4 +72,7 @@ class Op:
     plan: Any
     nbytes: int
     started: float = field(default_factory=time.monotonic)
-    extra: Any = None
+    extra: Any = None                  # reply builder: failed indices -> reply message
+    slots: list = field(default_factory=list)  # (index in the request, pool offset)
+    crcs: list = field(default_factory=list)   # checksums computed after a store
+    bad: list = field(default_factory=list)    # indices whose checksum did not match

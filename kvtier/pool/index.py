@@ -165,6 +165,11 @@ class BlockIndex:
         bad = len(set(plan.missing) | set(failed))
         plan.ns.stats.update(loaded=len(plan.entries) - bad, load_failed=bad)
 
+    def discard(self, e: Entry) -> None:
+        """Drop one READY entry now if unpinned (e.g. its checksum failed)."""
+        if e.state == READY and e.pins == 0 and e.ns.entries.get(e.key) is e:
+            self._drop(e, removed=True)
+
     def flush(self, ns: Namespace | None = None) -> int:
         """Drop READY unpinned entries (of one namespace or all); returns how many."""
         victims = [e for n in ([ns] if ns else self.namespaces.values())

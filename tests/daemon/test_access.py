@@ -1,0 +1,69 @@
+"""Isolation and access: file modes, socket group, token, checksums."""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+
+import pytest
+
+from kvtier.client import Client, KVTierError
+from kvtier.protocol import ErrorCode
+from tests.helpers import NS, make_kv
+
+
+def test_socket_and_pool_are_owner_group_only(daemon_factory):
+    group = grp.getgrgid(os.getgid()).gr_name
+    d = daemon_factory(env={"KVTIER_SOCKET_GROUP": group})
+    st = os.stat(d.socket)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
+    pool = os.stat(f"/dev/shm/kvtier-pool.{d.proc.pid}")
+    assert stat.S_IMODE(pool.st_mode) == 0o600
+    kv = make_kv()
+    assert stat.S_IMODE(os.stat("/dev/shm" + kv.name).st_mode) == 0o600
+    kv.close()
+
+
+def test_unknown_socket_group_refuses_to_start(tmp_path):
+    from tests.conftest import DaemonProc
+    with pytest.raises(RuntimeError, match="socket_group"):
+        DaemonProc(tmp_path, env={"KVTIER_SOCKET_GROUP": "no-such-group-kvt"})
+
+
+def test_token_is_required_when_configured(daemon_factory):
+    d = daemon_factory(env={"KVTIER_TOKEN": "s3cret"})
+    with pytest.raises(KVTierError) as exc:
+        Client(d.socket, timeout=3)
+    assert exc.value.code == ErrorCode.UNAUTHORIZED and exc.value.side == "client"
+    with pytest.raises(KVTierError):
+        Client(d.socket, timeout=3, token="wrong")
+    with Client(d.socket, timeout=3, token="s3cret") as c:
+        assert c.stats()["pool"]["capacity_bytes"] > 0
+
+
+def test_checksum_mismatch_fails_the_load_and_drops_the_block(daemon_factory):
+    import mmap
+    d = daemon_factory(env={"KVTIER_CHECKSUMS": "1"})
+    kv = make_kv(seed=21)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    with d.client() as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        assert c.store(hashes, [0, 1, 2, 3]).wait().ok
+        assert c.load(hashes, [4, 5, 6, 7]).wait().ok  # intact data verifies
+        # Corrupt one byte of block 2 inside the daemon's pool (bit rot, a stray write).
+        needle = kv.tensors[0][2].numpy().tobytes()[:64]
+        fd = os.open(f"/dev/shm/kvtier-pool.{d.proc.pid}", os.O_RDWR)
+        try:
+            with mmap.mmap(fd, 0) as pool:
+                at = pool.find(needle)
+                assert at >= 0
+                pool[at + 100] ^= 0xFF
+        finally:
+            os.close(fd)
+        r = c.load(hashes, [4, 5, 6, 7]).wait()
+        assert r.failed == (2,)  # reported, so the engine recomputes block 2
+        assert c.lookup(hashes) == 2  # the corrupt block is gone
+        s = d.stats()
+        assert s["errors"]["CHECKSUM"] == 1
+    kv.close()
