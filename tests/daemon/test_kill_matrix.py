@@ -1,0 +1,85 @@
+"""Client death at every point: everything it held is released within bounds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvtier.client import Client
+from tests.daemon.test_reaping import wait_for
+from tests.helpers import NS, make_kv, spawn
+
+HASHES = [bytes([i]) * 16 for i in range(16)]
+
+
+def engine_until(socket: str, point: str, ready: str) -> None:
+    """Child engine: get to ``point``, signal the parent, then hang until killed."""
+    kv = make_kv(seed=3)
+    c = Client(socket, name=f"victim-{point}")
+    if point != "hello":
+        c.register_kv_cache(kv, [0] * 4, NS)
+    if point == "mid-store":
+        c.store(HASHES, list(range(16)))
+    elif point == "mid-load":
+        c.load(HASHES, list(range(16)))        # the parent stored these: pins them
+    elif point == "swap":
+        assert c.offload({"a": list(range(8)), "b": list(range(8, 16))}).wait().ok
+    elif point == "mid-offload":
+        c.offload({"a": list(range(8))})
+    open(ready, "w").close()
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("point", ["hello", "idle", "mid-store", "mid-load", "swap", "mid-offload"])
+def test_sigkill_at_every_point_returns_the_pool_to_baseline(daemon_factory, tmp_path, point):
+    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "0.3"})
+    kv = make_kv(seed=3)
+    with d.client(name="survivor") as keeper:
+        keeper.register_kv_cache(kv, [0] * 4, NS)
+        assert keeper.store(HASHES, list(range(16))).wait().ok
+        baseline = d.stats()["pool"]
+        ready = str(tmp_path / "ready")
+        p, _ = spawn(engine_until, d.socket, point, ready)
+        assert wait_for(lambda: os.path.exists(ready), 30)
+        time.sleep(0.05)  # the last request is on the wire / its copy has started
+        os.kill(p.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        p.join(10)
+
+        def released():
+            s = d.stats()
+            return ([c["name"] for c in s["clients"]] == ["survivor"] and s["swap"]["bytes"] == 0
+                    and s["pool"]["used_bytes"] == baseline["used_bytes"]
+                    and s["namespaces"][0]["writing"] == 0)
+        assert wait_for(released, 10)
+        latency = time.monotonic() - killed
+        assert latency < 3.0, latency
+        s = d.stats()  # integrity checked
+        assert s["pool"]["blocks"] == 16 and s["totals"]["reaped"] == 1
+        # The survivor's data is intact and nothing half-written is visible.
+        assert keeper.lookup(HASHES) == 16
+        print(f"\n{point}: reaped and released in {latency:.2f}s")
+    kv.close()
+
+
+def test_a_hung_client_is_reaped_by_heartbeat_silence_and_recovers(daemon_factory, tmp_path):
+    d = daemon_factory(env={"KVTIER_HEARTBEAT_S": "0.3", "KVTIER_REAP_AFTER_S": "1.5"})
+    ready = str(tmp_path / "ready")
+    p, _ = spawn(engine_until, d.socket, "swap", ready)
+    assert wait_for(lambda: os.path.exists(ready), 30)
+    assert d.stats()["swap"]["bytes"] > 0
+    os.kill(p.pid, signal.SIGSTOP)  # alive but silent: a hung engine
+    stopped = time.monotonic()
+    try:
+        assert wait_for(lambda: d.stats()["swap"]["bytes"] == 0, 10)
+        assert 1.0 <= time.monotonic() - stopped < 4.0  # silence counts from the last ping
+        assert "silent for" in d.read_log()
+        os.kill(p.pid, signal.SIGCONT)
+        # Its heartbeat learns it was forgotten and it says HELLO again by itself.
+        assert wait_for(lambda: [c["name"] for c in d.stats()["clients"]] == ["victim-swap"], 10)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
