@@ -188,7 +188,11 @@ class Daemon(Handlers, StatsMixin):
         req_id = 0
         client = self.clients.get(identity)
         try:
-            req_id, msg = decode(frame, self.config.max_message)
+            try:
+                req_id, msg = decode(frame, self.config.max_message)
+            except ProtocolError as exc:
+                req_id = exc.request_id  # answer under the caller's id when it was readable
+                raise
             self.counters["requests"] += 1
             handler = getattr(self, "on_" + type(msg).__name__.lower(), None)
             if handler is None or msg.TAG not in REQUEST_TAGS:

@@ -7,6 +7,7 @@ indices are little-endian int32. Packing as one ``bin`` field costs ~2.5 us per
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -16,6 +17,7 @@ from .errors import ErrorCode, ProtocolError
 HASH_BYTES = 16
 _I32 = np.dtype("<i4")
 _HASH = np.dtype(f"V{HASH_BYTES}")
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 def pack_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
@@ -41,9 +43,21 @@ def unpack_hashes(data: bytes) -> list[bytes]:
 
 def pack_ids(ids: Iterable[int] | np.ndarray) -> bytes:
     arr = np.asarray(ids if not isinstance(ids, range) else list(ids))
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-        raise ValueError("block ids must fit in int32")
+    if arr.size and not _int32_values(arr):
+        raise ValueError("block ids must be a flat sequence of integers in int32 range "
+                         f"(got a {arr.dtype} array of shape {arr.shape})")
     return np.ascontiguousarray(arr, dtype=_I32).tobytes()
+
+
+def _int32_values(arr: np.ndarray) -> bool:
+    if arr.ndim != 1:
+        return False
+    if arr.dtype.kind == "O":  # ints beyond int64 come as Python objects
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) for x in arr):
+            return False
+    elif arr.dtype.kind not in "iu":  # the int32 cast would truncate 1.5 -> 1 and take bools as 0/1
+        return False
+    return _I32_MIN <= arr.min() and arr.max() <= _I32_MAX
 
 
 def unpack_ids(data: bytes) -> np.ndarray:

@@ -32,6 +32,8 @@ def encode(msg: Any, request_id: int) -> bytes:
     tag = getattr(type(msg), "TAG", None)
     if tag is None or TABLE.get(tag) is not type(msg):
         raise TypeError(f"{type(msg).__name__} is not a registered message")
+    if not _is_u64(request_id):  # the peer would reject the frame; fail at the sender
+        raise ValueError(f"request_id must be an unsigned 64-bit integer, got {request_id!r}")
     return msgpack.packb([tag, request_id, as_wire_dict(msg)], use_bin_type=True)
 
 
@@ -46,7 +48,7 @@ def decode(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[int, Any]:
     if not isinstance(obj, list) or len(obj) != 3:
         raise _err(ErrorCode.BAD_MESSAGE, "frame must be [tag, request_id, body]")
     tag, request_id, body = obj
-    if not isinstance(request_id, int) or isinstance(request_id, bool) or not 0 <= request_id <= _U64:
+    if not _is_u64(request_id):
         raise _err(ErrorCode.BAD_MESSAGE, "request_id must be an unsigned 64-bit integer")
     if not isinstance(tag, str):
         raise _err(ErrorCode.BAD_MESSAGE, "tag must be a string", request_id)
@@ -78,7 +80,9 @@ def error_reply(exc: ProtocolError) -> Error:
     return Error(code=int(exc.code), message=exc.message, side=exc.side)
 
 
+def _is_u64(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U64
+
+
 def _err(code: ErrorCode, message: str, request_id: int = 0) -> ProtocolError:
-    exc = ProtocolError(code, message)
-    exc.request_id = request_id
-    return exc
+    return ProtocolError(code, message, request_id)

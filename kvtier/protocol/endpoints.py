@@ -8,9 +8,9 @@ ENV_SOCKET = "KVTIER_SOCKET"
 
 
 def default_socket() -> str:
-    """``$KVTIER_SOCKET``, else ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock``, else
-    ``/run/kvtier/kvtier.sock`` when that directory exists (systemd
-    RuntimeDirectory), else ``/tmp/kvtier-<uid>/kvtier.sock``."""
+    """``$KVTIER_SOCKET``, else ``/run/kvtier/kvtier.sock`` when that directory
+    exists (systemd RuntimeDirectory), else ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock``,
+    else ``/tmp/kvtier-<uid>/kvtier.sock``."""
     if os.environ.get(ENV_SOCKET):
         return os.environ[ENV_SOCKET]
     if os.path.isdir("/run/kvtier"):

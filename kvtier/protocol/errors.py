@@ -38,13 +38,16 @@ def side_of(code: ErrorCode) -> str:
 class ProtocolError(Exception):
     """A message could not be decoded or validated.
 
-    Raised by the codec; the daemon turns it into an error reply.
+    Raised by the codec; the daemon turns it into an error reply. ``request_id``
+    is the offending frame's id when it could be read, else 0, so the error
+    reply still reaches the caller waiting on that id.
     """
 
-    def __init__(self, code: ErrorCode, message: str):
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.request_id = request_id
 
     @property
     def side(self) -> str:
