@@ -60,6 +60,7 @@ class StorePlan:
     skipped: list[int]       # indices already present or being written
     no_space: list[int]      # indices that found no room
     abandoned: bool = False  # owner died: commit nothing
+    done: bool = False       # completed: a second completion is a caller bug
 
 
 @dataclass(eq=False)
@@ -67,6 +68,7 @@ class LoadPlan:
     ns: Namespace
     entries: list            # pinned Entry per key, or None when missing
     missing: list[int]
+    done: bool = False       # completed: a second completion would steal others' pins
 
 
 class BlockIndex:
@@ -126,6 +128,9 @@ class BlockIndex:
 
     def complete_store(self, plan: StorePlan, failed=()) -> int:
         """Commit written entries; failed indices (or all, if abandoned) are freed."""
+        if plan.done:
+            raise IntegrityError(f"store plan completed twice ({len(plan.entries)} keys)")
+        plan.done = True
         failed = set(failed)
         committed = []
         for i, e in enumerate(plan.entries):
@@ -157,6 +162,9 @@ class BlockIndex:
         return plan
 
     def complete_load(self, plan: LoadPlan, failed=()) -> None:
+        if plan.done:
+            raise IntegrityError(f"double unpin: load plan completed twice ({len(plan.entries)} keys)")
+        plan.done = True
         for e in plan.entries:
             if e is not None:
                 if e.pins <= 0:
