@@ -108,21 +108,30 @@ class BlockIndex:
 
     def prepare_store(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
         plan = StorePlan(ns, [None] * len(keys), [], [])
-        for i, key in enumerate(keys):
-            if key in ns.entries:
-                plan.skipped.append(i)
-                continue
-            if plan.no_space:  # once full, the rest of the chain cannot fit either
-                plan.no_space.append(i)
-                continue
-            offset = self.alloc(ns.cls)
-            if offset is None:
-                plan.no_space.append(i)
-                continue
-            e = Entry(ns, key, offset)
-            ns.entries[key] = e
-            self.by_offset[offset] = e
-            plan.entries[i] = e
+        # Blocks this store skips because they are present are part of the same
+        # chain: making room must not evict them (the new blocks would be unreachable).
+        held = [e for e in map(ns.entries.get, keys) if e is not None and e.state == READY]
+        for e in held:
+            e.pins += 1
+        try:
+            for i, key in enumerate(keys):
+                if key in ns.entries:
+                    plan.skipped.append(i)
+                    continue
+                if plan.no_space:  # once full, the rest of the chain cannot fit either
+                    plan.no_space.append(i)
+                    continue
+                offset = self.alloc(ns.cls)
+                if offset is None:
+                    plan.no_space.append(i)
+                    continue
+                e = Entry(ns, key, offset)
+                ns.entries[key] = e
+                self.by_offset[offset] = e
+                plan.entries[i] = e
+        finally:
+            for e in held:
+                e.pins -= 1
         ns.stats.update(store_skipped=len(plan.skipped), store_failed=len(plan.no_space))
         return plan
 
