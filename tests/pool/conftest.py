@@ -17,7 +17,7 @@ def shm_names():
     """Make names ``kvtier-test.<pid>.<rand>``; every name made is unlinked afterwards."""
     made = []
 
-    def make(pid: int | None = None) -> str:
+    def make(pid: int | str | None = None) -> str:
         name = f"{PREFIX}{os.getpid() if pid is None else pid}.{secrets.token_hex(4)}"
         made.append(name)
         return name

@@ -102,7 +102,7 @@ def test_cleanup_stale_removes_dead_owners_only(shm_names):
     exited.wait()  # reaped: its pid is no longer alive
     dead = ShmSegment(shm_names(exited.pid), MiB, create=True)
     live = ShmSegment(shm_names(), MiB, create=True)
-    nopid = ShmSegment(f"{PREFIX}nopid.{os.urandom(3).hex()}", MiB, create=True)
+    nopid = ShmSegment(shm_names("nopid"), MiB, create=True)
     try:
         removed = cleanup_stale(PREFIX)
         # Other sessions' dead test segments may be swept too; ours must be.
