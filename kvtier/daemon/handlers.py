@@ -62,15 +62,18 @@ class Handlers:
             tensors, dims, segments = open_specs(msg.tensors)
         except SpecError as exc:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
+        error = None
         try:
             layout = KVLayout(tensors, dims, msg.block_factor)
             ns = self.index.namespace(msg.namespace, layout.block_bytes)
         except ValueError as exc:
+            error = str(exc)
+        if error is not None:  # outside the except: its traceback holds tensor views
             del tensors
             layout = None
             for seg in segments:
                 seg.close()
-            raise DaemonError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, error)
         self.next_reg += 1
         reg = Registration(self.next_reg, client, ns, layout, segments)
         client.regs[reg.id] = reg

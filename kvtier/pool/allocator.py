@@ -39,6 +39,7 @@ class Slab:
     cls: int = -1
     free: list[int] = field(default_factory=list)  # free slot indices
     used: int = 0
+    taken: bytearray = field(default_factory=bytearray)  # 1 per slot in use: catches double frees
 
 
 class SlabAllocator:
@@ -75,12 +76,14 @@ class SlabAllocator:
             s = self.free_slabs.pop()
             slab = self.slabs[s]
             slab.cls, slab.free, slab.used = cls, list(range(c.per_slab - 1, -1, -1)), 0
+            slab.taken = bytearray(c.per_slab)
             c.slabs += 1
             c.partial.add(s)
         else:
             return None
         slab = self.slabs[s]
         slot = slab.free.pop()
+        slab.taken[slot] = 1
         slab.used += 1
         c.used += 1
         if not slab.free:
@@ -89,11 +92,15 @@ class SlabAllocator:
 
     def free(self, offset: int) -> None:
         s, rem = divmod(offset, self.slab_bytes)
+        if not 0 <= s < len(self.slabs) or self.slabs[s].cls < 0:
+            raise IntegrityError(f"free of invalid offset {offset}: not in an assigned slab")
         slab = self.slabs[s]
         c = self.classes[slab.cls]
         slot, bad = divmod(rem, c.stride)
-        if bad or slot >= c.per_slab or slab.used == 0:
-            raise IntegrityError(f"free of invalid offset {offset}")
+        if bad or slot >= c.per_slab or not slab.taken[slot]:
+            raise IntegrityError(f"free of invalid offset {offset}: not an allocated block "
+                                 f"(double free?)")
+        slab.taken[slot] = 0
         slab.free.append(slot)
         slab.used -= 1
         c.used -= 1
@@ -101,7 +108,7 @@ class SlabAllocator:
         if slab.used == 0:  # whole slab back to the pool for any class
             c.partial.discard(s)
             c.slabs -= 1
-            slab.cls, slab.free = -1, []
+            slab.cls, slab.free, slab.taken = -1, [], bytearray()
             self.free_slabs.append(s)
 
     def slab_of(self, offset: int) -> int:
@@ -154,6 +161,8 @@ class SlabAllocator:
                 c = self.classes[slab.cls]
                 if slab.used + len(slab.free) != c.per_slab or slab.used <= 0:
                     problems.append(f"slab {s}: used {slab.used} + free {len(slab.free)} != {c.per_slab}")
+                if sum(slab.taken) != slab.used or any(slab.taken[i] for i in slab.free):
+                    problems.append(f"slab {s}: taken slots disagree with used/free")
                 if (s in c.partial) != bool(slab.free):
                     problems.append(f"slab {s}: partial set disagrees")
         for i, c in enumerate(self.classes):

@@ -60,6 +60,7 @@ class StorePlan:
     skipped: list[int]       # indices already present or being written
     no_space: list[int]      # indices that found no room
     abandoned: bool = False  # owner died: commit nothing
+    done: bool = False       # completed: a second completion is a caller bug
 
 
 @dataclass(eq=False)
@@ -67,6 +68,7 @@ class LoadPlan:
     ns: Namespace
     entries: list            # pinned Entry per key, or None when missing
     missing: list[int]
+    done: bool = False       # completed: a second completion would steal others' pins
 
 
 class BlockIndex:
@@ -106,26 +108,38 @@ class BlockIndex:
 
     def prepare_store(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
         plan = StorePlan(ns, [None] * len(keys), [], [])
-        for i, key in enumerate(keys):
-            if key in ns.entries:
-                plan.skipped.append(i)
-                continue
-            if plan.no_space:  # once full, the rest of the chain cannot fit either
-                plan.no_space.append(i)
-                continue
-            offset = self.alloc(ns.cls)
-            if offset is None:
-                plan.no_space.append(i)
-                continue
-            e = Entry(ns, key, offset)
-            ns.entries[key] = e
-            self.by_offset[offset] = e
-            plan.entries[i] = e
+        # Blocks this store skips because they are present are part of the same
+        # chain: making room must not evict them (the new blocks would be unreachable).
+        held = [e for e in map(ns.entries.get, keys) if e is not None and e.state == READY]
+        for e in held:
+            e.pins += 1
+        try:
+            for i, key in enumerate(keys):
+                if key in ns.entries:
+                    plan.skipped.append(i)
+                    continue
+                if plan.no_space:  # once full, the rest of the chain cannot fit either
+                    plan.no_space.append(i)
+                    continue
+                offset = self.alloc(ns.cls)
+                if offset is None:
+                    plan.no_space.append(i)
+                    continue
+                e = Entry(ns, key, offset)
+                ns.entries[key] = e
+                self.by_offset[offset] = e
+                plan.entries[i] = e
+        finally:
+            for e in held:
+                e.pins -= 1
         ns.stats.update(store_skipped=len(plan.skipped), store_failed=len(plan.no_space))
         return plan
 
     def complete_store(self, plan: StorePlan, failed=()) -> int:
         """Commit written entries; failed indices (or all, if abandoned) are freed."""
+        if plan.done:
+            raise IntegrityError(f"store plan completed twice ({len(plan.entries)} keys)")
+        plan.done = True
         failed = set(failed)
         committed = []
         for i, e in enumerate(plan.entries):
@@ -157,6 +171,9 @@ class BlockIndex:
         return plan
 
     def complete_load(self, plan: LoadPlan, failed=()) -> None:
+        if plan.done:
+            raise IntegrityError(f"double unpin: load plan completed twice ({len(plan.entries)} keys)")
+        plan.done = True
         for e in plan.entries:
             if e is not None:
                 if e.pins <= 0:

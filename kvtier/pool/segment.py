@@ -72,10 +72,13 @@ class ShmSegment:
             shm.close_fd()
 
     @property
-    def buffer(self) -> mmap.mmap:
+    def buffer(self) -> memoryview:
+        """A view of the whole mapping. Objects built on it (torch.frombuffer,
+        numpy) keep the view alive, which is what makes ``close`` refuse: torch
+        handed the bare mmap keeps only the pointer, and close would unmap under it."""
         if self._mmap is None:
             raise SegmentError(f"segment {self.name} is closed")
-        return self._mmap
+        return memoryview(self._mmap)
 
     def close(self, unlink: bool | None = None) -> None:
         """Unmap (and unlink if owner). Raises BufferError while views are alive."""

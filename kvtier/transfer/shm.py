@@ -87,6 +87,7 @@ def open_specs(specs: list, max_tensors: int = 4096) -> tuple[list[torch.Tensor]
             dims.append(block_dim)
     except BaseException:
         tensors.clear()
+        base = None  # the last view: a segment cannot be unmapped under it
         for seg in segments.values():
             seg.close()
         raise

@@ -78,6 +78,9 @@ class CopyWorker:
             except BaseException as exc:  # reported to the requester as failed blocks
                 error = exc
             self._done.put((token, error))
+            # Drop this job's closure now: it holds tensor views over client
+            # segments, which must not outlive the registration while we block.
+            item = token = fn = error = None
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
