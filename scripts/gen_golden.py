@@ -38,7 +38,7 @@ SPEC = {"kind": "shm", "seg": "/kvtier-kv.4242.0.a1b2c3", "offset": 0, "dtype": 
 U64_MAX = (1 << 64) - 1
 DIRECTION = {cls.TAG: "reply" for cls in (m.Welcome, m.Registered, m.Hits, m.TransferDone,
                                           m.StatsReply, m.Flushed, m.Ok, m.Error)}
-RESERVED = {"off", "rst", "disc"}  # request swap: in the codec, not served yet
+RESERVED: set[str] = set()  # tags in the codec that the daemon does not serve yet
 
 
 def stats_document() -> dict:

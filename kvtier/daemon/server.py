@@ -197,7 +197,8 @@ class Daemon(Handlers, StatsMixin):
             handler = getattr(self, "on_" + type(msg).__name__.lower(), None)
             if handler is None or msg.TAG not in REQUEST_TAGS:
                 raise DaemonError(ErrorCode.UNKNOWN_OP, f"{msg.TAG!r} is not a request")
-            if client is None and not isinstance(msg, (m.Hello, m.Stats, m.Flush, m.Ping)):
+            # PING needs a session: its NOT_CONNECTED answer tells a forgotten client to reconnect.
+            if client is None and not isinstance(msg, (m.Hello, m.Stats, m.Flush)):
                 raise DaemonError(ErrorCode.NOT_CONNECTED, "say HELLO first")
             if self._stop and isinstance(msg, (m.Store, m.Load, m.Offload, m.Restore, m.Register)):
                 raise DaemonError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
@@ -205,7 +206,6 @@ class Daemon(Handlers, StatsMixin):
                 client.last_seen = time.monotonic()
             reply = handler(identity, client, req_id, msg)
         except (ProtocolError, DaemonError) as exc:
-            req_id = getattr(exc, "request_id", req_id)  # decode failures still echo the id
             reply = self._error(exc.code, exc.message, client)
         except Exception as exc:  # a bug: answer, log, keep serving
             log.exception("internal error handling a request from %r", client.id if client else identity)

@@ -89,6 +89,17 @@ class ShmSegment:
             unlink_segment(self.name)
             self.owner = False
 
+    def release(self, unlink: bool | None = None) -> bool:
+        """Like ``close`` but never refuses: while views are alive the mapping is
+        left to them (unmapped when the last one dies). True if unmapped now."""
+        try:
+            self.close(unlink)
+            return True
+        except BufferError:
+            self._mmap = None  # the live views keep the mmap object, and so the mapping
+            self.close(unlink)
+            return False
+
     @property
     def closed(self) -> bool:
         return self._mmap is None

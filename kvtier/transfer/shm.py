@@ -50,8 +50,10 @@ class ShmKVCache:
         return [tensor_spec(self.name, o, t, d) for o, t, d in zip(self.offsets, self.tensors, block_dims)]
 
     def close(self) -> None:
+        """Unlink the segment; tensors still held by the caller stay valid and
+        the memory is unmapped when the last of them is dropped."""
         self.tensors = []
-        self.segment.close(unlink=True)
+        self.segment.release(unlink=True)
 
 
 def tensor_spec(segment: str, offset: int, t: torch.Tensor, block_dim: int) -> dict:

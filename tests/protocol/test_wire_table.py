@@ -28,7 +28,7 @@ WIRE = {  # tag: (class, [(field, type, default)])
     "off": ("Offload", [("reg", "int", M), ("requests", "list", M)]),
     "rst": ("Restore", [("reg", "int", M), ("request", "str", M), ("blocks", "bytes", M)]),
     "disc": ("Discard", [("reg", "int", M), ("request", "str", M)]),
-    "stat": ("Stats", []),
+    "stat": ("Stats", [("check", "bool", False)]),
     "flush": ("Flush", [("namespace", "str", "")]),
     "ping": ("Ping", []),
     "bye": ("Bye", []),
