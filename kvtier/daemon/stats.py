@@ -47,4 +47,5 @@ class StatsMixin:
                      "evictions": self.index.evictions, "policy": self.config.policy},
             "namespaces": namespaces, "clients": clients, "totals": totals,
             "errors": dict(self.errors),
+            "latency": self.latency.snapshot(),
         }
