@@ -99,7 +99,8 @@ class Housekeeping:
             if self.reloader is None:
                 raise ValueError("this daemon was started without a config source")
             fresh = self.reloader()
-            changed = {k: getattr(fresh, k) for k in RELOADABLE if getattr(fresh, k) != getattr(self.config, k)}
+            changed = {k: getattr(fresh, k) for k in RELOADABLE
+                       if getattr(fresh, k) != getattr(self.config, k)}
             self.config = dataclasses.replace(self.config, **changed)  # validates the combination
         except ValueError as exc:
             log.error("reload failed, keeping the running config: %s", exc)

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import termios
 import threading
 import time
 
@@ -11,6 +17,7 @@ import pytest
 from kvtier.cli import main
 from kvtier.client import block_hashes
 from kvtier.top import rates
+from tests.conftest import REPO
 from tests.helpers import NS, make_kv
 
 HASHES = block_hashes(list(range(16 * 24)), 16)
@@ -106,3 +113,38 @@ def test_rates_are_per_second_and_reset_on_restart():
     assert r["hit_rate"] == pytest.approx(0.75)
     assert rates(None, snap(1, 1.0, 0, 0, 0, 0)) == {}
     assert rates(snap(1, 50.0, 9, 0, 0, 0), snap(2, 1.0, 0, 0, 0, 0)) == {}  # daemon restarted
+
+
+@pytest.mark.parametrize("key", [b"q", b"\x03"], ids=["q", "ctrl-c"])
+def test_top_on_a_terminal_quits_on_key_and_restores_it(daemon, key):
+    """Run top on a pseudo-terminal like a person would: it redraws with ANSI
+    codes, quits on q or Ctrl-C, and leaves the terminal as it found it."""
+    master, slave = pty.openpty()
+    before = termios.tcgetattr(slave)
+    # The child takes the pty as its controlling terminal, so ^C becomes SIGINT.
+    code = ("import fcntl, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+            f"from kvtier.cli import main; sys.exit(main(['top', '--socket', {daemon.socket!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "PYTHONPATH": REPO}, start_new_session=True)
+    try:
+        screen = read_until(master, b"kvtier top  pid", timeout=30)
+        assert b"\x1b[H\x1b[J" in screen  # a full redraw, not scrolling output
+        os.write(master, key)
+        assert proc.wait(10) == 0
+        assert termios.tcgetattr(slave) == before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+        os.close(slave)
+
+
+def read_until(fd, marker: bytes, timeout: float) -> bytes:
+    out, deadline = b"", time.monotonic() + timeout
+    while marker not in out and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            out += os.read(fd, 65536)
+    assert marker in out, out
+    return out
+

@@ -14,7 +14,8 @@ from tests.conftest import REPO
 from tests.helpers import NS, make_kv
 
 # A client process that says HELLO and dies without BYE: the daemon must reap it.
-DIES = "from kvtier.client import Client; import os; Client({!r}, name='doomed', heartbeat=False); os._exit(0)"
+DIES = ("from kvtier.client import Client; import os; "
+        "Client({!r}, name='doomed', heartbeat=False); os._exit(0)")
 
 
 def records(d) -> list[dict]:

@@ -57,7 +57,8 @@ def test_metrics_reflect_traffic(daemon_factory):
         assert c.load(hashes[:4], list(range(20, 24))).wait().done == 4
         assert not c.load(hashes[:1], [999]).wait().ok
 
-        m = scrape_until(port, lambda m: m.get(("kvtier_errors_total", frozenset({("code", "BAD_ARGUMENT")}))))
+        bad_arg = ("kvtier_errors_total", frozenset({("code", "BAD_ARGUMENT")}))
+        m = scrape_until(port, lambda m: m.get(bad_arg))
         g = lambda name, *labels: m[(name, frozenset(labels))]  # noqa: E731
         assert g("kvtier_pool_capacity_bytes") == 64 * 2**20
         assert g("kvtier_pool_used_bytes") == 12 * BLOCK

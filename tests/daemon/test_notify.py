@@ -91,7 +91,10 @@ def test_ready_means_serving_then_watchdog_then_stopping(tmp_path):
         assert any(s.startswith("binding") for s in steps), steps
         assert "serving" in ready["STATUS"]
 
-        # At READY the socket already accepts clients: no retry loop needed.
+        # At READY the socket already listens (a plain connect succeeds at once,
+        # no ZeroMQ reconnect behind it) and serves a real client.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(sock)
         with Client(sock, name="first", timeout=2.0, heartbeat=False) as c:
             assert [x["name"] for x in c.stats()["clients"]] == ["first"]
 
