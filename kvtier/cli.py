@@ -1,4 +1,9 @@
-"""``kvtier``: inspect and manage the daemon's pool. ``main(argv) -> int``."""
+"""``kvtier``: inspect and manage the daemon's pool. ``main(argv) -> int``.
+
+Commands: status, top (live, rates per second), clients, namespaces, flush.
+Every command takes ``--socket`` and ``--json``. Exit codes: 0 ok, 1 the
+daemon answered with an error, 3 no daemon at the socket.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import sys
 
 from .client import Client, DaemonUnavailable, KVTierError
 from .pool.sizes import format_size
+from .top import run_top
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="pool, namespaces, clients, hit rate")
     fl = sub.add_parser("flush", help="drop cached prefix blocks (swap is kept)")
     fl.add_argument("--namespace", default="", help="only this namespace fingerprint")
-    for sp in (st, fl):
+    top = sub.add_parser("top", help="live view with rates per second (q or Ctrl-C quits)")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0 = run until q)")
+    cl = sub.add_parser("clients", help="connected clients")
+    ns = sub.add_parser("namespaces", help="namespaces with blocks, bytes and hit counts")
+    for sp in (st, fl, top, cl, ns):
         sp.add_argument("--socket", help="daemon socket (default: $KVTIER_SOCKET or the runtime dir)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
@@ -26,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        client = Client(args.socket, name="kvtier-cli", timeout=args.timeout, heartbeat=False)
+        # top may idle longer than the reap timeout between refreshes: keep it alive
+        client = Client(args.socket, name="kvtier-cli", timeout=args.timeout,
+                        heartbeat=args.command == "top")
     except DaemonUnavailable as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 3
@@ -35,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "status":
                 stats = client.stats()
                 print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_status(stats))
+            elif args.command == "top":
+                return run_top(client, args.interval, args.iterations, args.json)
+            elif args.command in ("clients", "namespaces"):
+                rows = client.stats()[args.command]
+                render = render_clients if args.command == "clients" else render_namespaces
+                print(json.dumps(rows, indent=2, sort_keys=True) if args.json else render(rows))
             else:
                 removed = client.flush(args.namespace or None)
                 print(json.dumps({"removed": removed}) if args.json else f"removed {removed} blocks")
@@ -65,6 +84,29 @@ def render_status(s: dict) -> str:
                      f"{c['inflight']:>8}  {', '.join(c['namespaces'])}")
     if s.get("errors"):
         lines += ["", "errors    " + "  ".join(f"{k} {v}" for k, v in sorted(s["errors"].items()))]
+    return "\n".join(lines)
+
+
+def render_clients(rows: list[dict]) -> str:
+    lines = [f"{'ID':>5} {'PID':>8} {'NAME':<20} {'CONNECTED':>10} {'INFLIGHT':>8} {'SWAP':>12} "
+             f"{'QUOTA':>12}  NAMESPACES"]
+    for c in rows:
+        quota = format_size(c["swap_quota"]) if c["swap_quota"] else "-"
+        lines.append(f"{c['id']:>5} {c['pid']:>8} {c['name'][:20]:<20} {c['connected_s']:>9.0f}s "
+                     f"{c['inflight']:>8} {format_size(c['swap_bytes']):>12} {quota:>12}  "
+                     f"{', '.join(c['namespaces']) or '-'}")
+    return "\n".join(lines)
+
+
+def render_namespaces(rows: list[dict]) -> str:
+    lines = [f"{'ID':>4} {'NAMESPACE':<48} {'BLOCK':>10} {'BLOCKS':>8} {'BYTES':>12} {'HITS':>9} "
+             f"{'MISSES':>9} {'HIT%':>6} {'STORED':>9} {'LOADED':>9} {'EVICTED':>9}"]
+    for n in rows:
+        looked = n["hits"] + n["misses"]
+        hit = f"{n['hits'] / looked:.0%}" if looked else "-"
+        lines.append(f"{n['id']:>4} {n['fingerprint'][:48]:<48} {format_size(n['block_bytes']):>10} "
+                     f"{n['blocks']:>8} {format_size(n['bytes']):>12} {n['hits']:>9} {n['misses']:>9} "
+                     f"{hit:>6} {n['stored']:>9} {n['loaded']:>9} {n['evicted']:>9}")
     return "\n".join(lines)
 
 

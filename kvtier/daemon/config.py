@@ -41,9 +41,11 @@ class DaemonConfig:
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off
     log_level: str = "INFO"
-    copy_delay_s: float = 0.0       # fault injection for tests: stall every copy
+    log_format: str = "text"        # "text" or "json" (one JSON object per line)
+    metrics: str = ""               # Prometheus HTTP endpoint HOST:PORT; "" = off
     checksums: bool = False         # debug: crc32 per block at store, verified at load
     socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
+    copy_delay_s: float = 0.0       # fault injection for tests: stall every copy
 
     def __post_init__(self):
         def bad(key, why):
@@ -82,9 +84,21 @@ class DaemonConfig:
             bad("copy_delay_s", "must be in [0, 60]")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+        if self.log_format not in ("text", "json"):
+            bad("log_format", "must be text or json")
+        if self.metrics and metrics_address(self.metrics) is None:
+            bad("metrics", "must look like HOST:PORT, e.g. 127.0.0.1:9464 (\"\" = off)")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def metrics_address(value: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); None if malformed."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return None
+    return host.strip("[]"), int(port)
 
 
 def _coerce(key: str, value, source: str):

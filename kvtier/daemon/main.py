@@ -1,13 +1,21 @@
-"""``kvtier-daemon``: parse flags, load config, run the loop until SIGTERM."""
+"""``kvtier-daemon``: parse flags, load config, run the loop until SIGTERM.
+
+Exit codes: 0 clean stop, 1 cannot start (pool, socket, metrics port), 2 bad
+configuration (the message names the key). SIGHUP re-reads the config file
+and environment and applies the keys that are safe to change live.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from .config import load_config
+from .logs import setup_logging
+from .notify import Notifier
 from .server import Daemon, StartupError
 
 
@@ -23,32 +31,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tcp", help="also listen on tcp://HOST:PORT")
     p.add_argument("--events", help="publish block events on this endpoint (ipc path or tcp://)")
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-format", dest="log_format", help="text or json (one object per line)")
+    p.add_argument("--metrics", help='serve Prometheus metrics on HOST:PORT ("" = off)')
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     return p
 
 
-FLAG_KEYS = ("socket", "pool_size", "slab_size", "ram_fraction", "policy", "tcp", "events", "log_level")
+FLAG_KEYS = ("socket", "pool_size", "slab_size", "ram_fraction", "policy", "tcp", "events", "log_level",
+             "log_format", "metrics")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    flags = {k: getattr(args, k) for k in FLAG_KEYS}
     try:
-        config = load_config(args.config, flags={k: getattr(args, k) for k in FLAG_KEYS})
+        config = load_config(args.config, flags=flags)
     except ValueError as exc:
         print(f"kvtier-daemon: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
         print(json.dumps(config.as_dict(), indent=2))
         return 0
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
+    notifier = Notifier()
     try:
-        daemon = Daemon(config)
+        # SIGHUP re-reads file and environment; the original flags still win.
+        daemon = Daemon(config, notifier, reloader=lambda: load_config(args.config, flags=flags))
     except StartupError as exc:
         logging.getLogger("kvtier.daemon").error("cannot start: %s", exc)
+        notifier.status(f"cannot start: {exc}")
         return 1
     daemon.install_signals()
-    daemon.serve_forever()
+    signal.signal(signal.SIGHUP, daemon.request_reload)
+    daemon.serve_forever(ready=daemon.notify_ready)
     return 0
 
 

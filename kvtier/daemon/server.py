@@ -37,6 +37,7 @@ from ..transfer.shm import KV_PREFIX
 from ..transfer.worker import CopyWorker
 from .config import DaemonConfig
 from .handlers import Handlers
+from .housekeeping import Housekeeping
 from .state import ClientState, DaemonError, Op, Registration
 from .stats import StatsMixin
 
@@ -49,9 +50,10 @@ class StartupError(RuntimeError):
     """The daemon cannot start with this configuration (message says why)."""
 
 
-class Daemon(Handlers, StatsMixin):
-    def __init__(self, config: DaemonConfig):
+class Daemon(Handlers, StatsMixin, Housekeeping):
+    def __init__(self, config: DaemonConfig, notifier=None, reloader=None):
         self.config = config
+        self.init_housekeeping(notifier, reloader)
         self.started = time.time()
         self.clients: dict[bytes, ClientState] = {}
         self.next_client = self.next_reg = 0
@@ -59,10 +61,12 @@ class Daemon(Handlers, StatsMixin):
         self.errors: Counter = Counter()
         self._stop = False
         self._lock_fd = self._take_socket_lock()
+        self.notifier.status("removing stale shared memory")
         for prefix in (POOL_PREFIX, KV_PREFIX):
             cleanup_stale(prefix)
         self._check_ram()
         self.pool_name = f"/{POOL_PREFIX}{os.getpid()}"
+        self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
         try:
             self.segment = ShmSegment(self.pool_name, config.pool_size, create=True, mode=config.shm_mode)
         except Exception as exc:
@@ -74,7 +78,13 @@ class Daemon(Handlers, StatsMixin):
         self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
         self.worker = CopyWorker(config.copy_threads)
+        self.notifier.status(f"binding {config.socket}")
         self._bind()
+        try:
+            self.start_metrics()
+        except OSError as exc:
+            self.shutdown()
+            raise StartupError(f"metrics {config.metrics}: {exc}") from None
         log.info("kvtier-daemon pid %d: pool %s (%s), socket %s", os.getpid(), self.pool_name,
                  format_size(config.pool_size), config.socket)
 
@@ -155,7 +165,7 @@ class Daemon(Handlers, StatsMixin):
         next_reap = time.monotonic()
         try:
             while not self._stop:
-                timeout = max(0.0, next_reap - time.monotonic())
+                timeout = min(max(0.0, next_reap - time.monotonic()), self.housekeeping())
                 events = dict(poller.poll(timeout * 1000))
                 if self.router in events:
                     self._read_requests()
@@ -257,6 +267,7 @@ class Daemon(Handlers, StatsMixin):
         return [(0, off) for off in op.plan.offsets]
 
     def finish_op(self, op: Op, error: BaseException | None) -> None:
+        self.observe_op(op)
         op.client.ops.discard(op)
         op.reg.inflight -= 1
         if error is not None:
@@ -366,6 +377,7 @@ class Daemon(Handlers, StatsMixin):
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self.stop_housekeeping()
         log.info("shutting down: draining %d copies", self.worker.pending)
         self.worker.drain(DRAIN_TIMEOUT_S)
         self._finish_copies()

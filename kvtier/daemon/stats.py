@@ -49,4 +49,5 @@ class StatsMixin:
                      "requests": len(self.swap.records)},
             "namespaces": namespaces, "clients": clients, "totals": totals,
             "errors": dict(self.errors),
+            "latency": self.latency.snapshot(),
         }

@@ -1,0 +1,137 @@
+"""Prometheus exposition of the daemon's stats snapshot (``metrics = "HOST:PORT"``).
+
+prometheus_client's HTTP server answers scrapes on its own thread. The
+collector therefore never touches daemon state: it turns the latest published
+snapshot (``stats()`` output, replaced whole by the loop every 0.5 s) into
+metric families at scrape time. Everything is prefixed ``kvtier_``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import CollectorRegistry
+
+from .config import metrics_address
+
+POOL_GAUGES = (  # stats key under "pool", metric name, help
+    ("capacity_bytes", "pool_capacity_bytes", "Pool size in bytes."),
+    ("used_bytes", "pool_used_bytes", "Bytes held by blocks (prefix cache and swap)."),
+    ("free_bytes", "pool_free_bytes", "Bytes available for new blocks."),
+    ("waste_bytes", "pool_waste_bytes", "Bytes lost to slab rounding."),
+    ("slabs", "pool_slabs", "Slabs carved so far."),
+    ("free_slabs", "pool_free_slabs", "Slabs not assigned to a size class."),
+    ("blocks", "pool_blocks", "Ready prefix-cache blocks."),
+)
+NAMESPACE_COUNTERS = (  # stats key per namespace, metric name, help
+    ("lookups", "lookups", "Lookup calls."),
+    ("hits", "hits", "Blocks found by lookups (longest ready prefix)."),
+    ("misses", "misses", "Blocks looked up and not found."),
+    ("stored", "blocks_stored", "Blocks committed by stores."),
+    ("loaded", "blocks_loaded", "Blocks copied out by loads."),
+    ("evicted", "blocks_evicted", "Blocks evicted to make room."),
+)
+TRANSFER_KINDS = ("store", "load", "offload", "restore")
+
+
+class SnapshotCollector:
+    """A custom collector over ``get_snapshot()``; no state of its own."""
+
+    def __init__(self, get_snapshot: Callable[[], dict | None]):
+        self.get_snapshot = get_snapshot
+
+    def describe(self):
+        return []  # families depend on the snapshot; skip describe-time collection
+
+    def collect(self):
+        s = self.get_snapshot()
+        if not s:
+            return
+        yield from self._pool(s)
+        yield from self._namespaces(s["namespaces"])
+        yield from self._traffic(s)
+        yield from self._latency(s.get("latency", {}))
+
+    @staticmethod
+    def _pool(s):
+        pool = s["pool"]
+        for key, name, doc in POOL_GAUGES:
+            yield GaugeMetricFamily("kvtier_" + name, doc, value=pool[key])
+        swap = pool.get("swap_bytes", sum(c.get("swap_bytes", 0) for c in s["clients"]))
+        yield GaugeMetricFamily("kvtier_swap_bytes", "Bytes held for swapped-out requests.", value=swap)
+        yield GaugeMetricFamily("kvtier_clients", "Connected clients.", value=len(s["clients"]))
+        yield GaugeMetricFamily("kvtier_uptime_seconds", "Seconds since the daemon started.",
+                                value=s["uptime_s"])
+        yield CounterMetricFamily("kvtier_evictions", "Blocks evicted from the pool.",
+                                  value=pool["evictions"])
+
+    @staticmethod
+    def _namespaces(namespaces):
+        size = GaugeMetricFamily("kvtier_namespace_bytes", "Bytes of ready blocks per namespace.",
+                                 labels=["namespace"])
+        blocks = GaugeMetricFamily("kvtier_namespace_blocks", "Ready blocks per namespace.",
+                                   labels=["namespace"])
+        counters = [(key, CounterMetricFamily("kvtier_" + name, doc, labels=["namespace"]))
+                    for key, name, doc in NAMESPACE_COUNTERS]
+        for ns in namespaces:
+            label = [ns["fingerprint"]]
+            size.add_metric(label, ns["bytes"])
+            blocks.add_metric(label, ns["blocks"])
+            for key, family in counters:
+                family.add_metric(label, ns[key])
+        yield size
+        yield blocks
+        for _, family in counters:
+            yield family
+
+    @staticmethod
+    def _traffic(s):
+        t = s["totals"]
+        yield CounterMetricFamily("kvtier_requests", "Requests decoded.", value=t["requests"])
+        yield CounterMetricFamily("kvtier_stores", "Store operations completed.", value=t["stores"])
+        yield CounterMetricFamily("kvtier_loads", "Load operations completed.", value=t["loads"])
+        yield CounterMetricFamily("kvtier_clients_reaped", "Clients reaped (died or went silent).",
+                                  value=t["reaped"])
+        moved = CounterMetricFamily("kvtier_transfer_bytes", "Bytes copied, by operation.", labels=["op"])
+        for kind in TRANSFER_KINDS:
+            moved.add_metric([kind], t.get(kind + "_bytes", 0))
+        yield moved
+        errors = CounterMetricFamily("kvtier_errors", "Error replies and failures, by code.", labels=["code"])
+        for code, n in sorted(s["errors"].items()):
+            errors.add_metric([code], n)
+        yield errors
+
+    @staticmethod
+    def _latency(latency):
+        family = HistogramMetricFamily("kvtier_transfer_seconds",
+                                       "Transfer latency from request to copy completion.", labels=["op"])
+        for kind, h in sorted(latency.items()):
+            buckets = [(repr(float(b)), c) for b, c in zip(h["bounds"], h["cumulative"])]
+            buckets.append(("+Inf", h["count"]))
+            family.add_metric([kind], buckets, sum_value=h["sum_s"])
+        yield family
+
+
+class MetricsServer:
+    def __init__(self, httpd, thread):
+        self.httpd, self.thread = httpd, thread
+        host, port = httpd.server_address[:2]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def serve_metrics(address: str, get_snapshot: Callable[[], dict | None]) -> MetricsServer:
+    """Start the HTTP exposition thread; raises OSError when the port is taken."""
+    host, port = metrics_address(address)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(get_snapshot))
+    ProcessCollector(registry=registry)  # RSS, CPU, fds: the usual process_* series
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(httpd, thread)
