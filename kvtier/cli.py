@@ -50,7 +50,7 @@ def render_status(s: dict) -> str:
         f"kvtier-daemon pid {s['pid']}  up {s['uptime_s']:.0f}s  socket {s['socket']}",
         f"pool      {format_size(p['capacity_bytes'])} capacity, {format_size(p['used_bytes'])} used, "
         f"{format_size(p['free_bytes'])} free, {format_size(p['waste_bytes'])} waste, "
-        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})",
+        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})" + _pinned(p),
         f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
         f"loads {t['loaded']} blocks ({format_size(t['load_bytes'])})",
@@ -66,6 +66,14 @@ def render_status(s: dict) -> str:
     if s.get("errors"):
         lines += ["", "errors    " + "  ".join(f"{k} {v}" for k, v in sorted(s["errors"].items()))]
     return "\n".join(lines)
+
+
+def _pinned(p: dict) -> str:
+    """Pinning progress, shown only on daemons with a CUDA data path."""
+    if not p.get("pinning") and not p.get("pinned_bytes"):
+        return ""
+    state = "pinning" if p.get("pinning") else "pinned"
+    return f", {state} {format_size(p['pinned_bytes'])} of {format_size(p['capacity_bytes'])}"
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from .handles import TransferHandle, failed_all
 from .namespace import Namespace
 
 if TYPE_CHECKING:  # torch is only needed by engines that allocate KV tensors
+    from ..transfer.cuda import CudaKVCache
     from ..transfer.shm import ShmKVCache
 
 
@@ -46,7 +47,9 @@ class Client:
         self._ctx = zmq.Context.instance()
         self._sock = None
         self._reg: m.Registered | None = None
-        self.kv: "ShmKVCache | None" = None
+        self.kv: "ShmKVCache | CudaKVCache | None" = None
+        self._ipc_event = None  # CUDA: the event recorded on the caller's stream for fences
+        self._events: dict = {}  # CUDA: daemon events opened from their IPC handles
         self._closed = False
         self._connect()
         self._hb_stop = threading.Event()
@@ -86,7 +89,7 @@ class Client:
         self.close()
 
     # ---- registration ---------------------------------------------------------------
-    def register_kv_cache(self, kv: "ShmKVCache", block_dims: Sequence[int], namespace: Namespace | str,
+    def register_kv_cache(self, kv: "ShmKVCache | CudaKVCache", block_dims: Sequence[int], namespace: Namespace | str,
                           block_factor: int = 1, swap_quota: int = -1) -> m.Registered:
         """Export the engine's KV tensors once. ``block_dims[i]`` is the dimension
         of tensor i that indexes engine blocks (1 for FlashAttention's
@@ -108,20 +111,35 @@ class Client:
         """Number of leading ``hashes`` ready in the pool (one round trip)."""
         return self._call(m.Lookup(self.registration.reg, pack_hashes(hashes))).hits
 
-    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferHandle:
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, event=None,
+              stream=None) -> TransferHandle:
         """Copy engine blocks into the pool under ``hashes`` (block_factor ids
-        per hash). Blocks already stored are skipped. Do not overwrite the
-        source blocks until the handle is done."""
+        per hash). Blocks already stored are skipped.
+
+        The source blocks stay the daemon's to read until the handle is done:
+        the engine must not free, reuse or overwrite ``handle.held_blocks``
+        before then. GPU caches: pass the ``stream`` whose kernels wrote the
+        blocks (the client records an interprocess event on it) or your own
+        ``torch.cuda.Event(interprocess=True)`` already recorded there as
+        ``event``; the daemon's copy waits for it instead of reading early."""
         reg = self.registration
         self._check_len(len(block_ids), len(hashes) * self.block_factor)
-        return self._transfer(m.Store(reg.reg, pack_hashes(hashes), pack_ids(block_ids)), len(hashes))
+        msg = m.Store(reg.reg, pack_hashes(hashes), pack_ids(block_ids), self._fence(event, stream))
+        return self._transfer(msg, len(hashes), block_ids)
 
-    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0) -> TransferHandle:
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0, *, event=None,
+             stream=None) -> TransferHandle:
         """Copy pool blocks into engine blocks. The result's ``failed`` lists the
-        hashes that were not loaded: the engine must recompute those."""
+        hashes that were not loaded: the engine must recompute those.
+
+        GPU caches: ``stream``/``event`` as for ``store``, marking when the
+        engine is done with the destination blocks; before attention reads
+        them, call ``handle.wait_event(stream)`` so that stream waits for the
+        daemon's copy."""
         reg = self.registration
         self._check_len(len(block_ids), len(hashes) * self.block_factor - skip)
-        return self._transfer(m.Load(reg.reg, pack_hashes(hashes), pack_ids(block_ids), skip), len(hashes))
+        msg = m.Load(reg.reg, pack_hashes(hashes), pack_ids(block_ids), skip, self._fence(event, stream))
+        return self._transfer(msg, len(hashes), block_ids)
 
     # ---- management --------------------------------------------------------------------
     def stats(self) -> dict:
@@ -140,13 +158,31 @@ class Client:
         if got != want:
             raise ValueError(f"expected {want} block ids, got {got}")
 
-    def _transfer(self, msg, count: int) -> TransferHandle:
+    def _transfer(self, msg, count: int, block_ids: Sequence[int] = ()) -> TransferHandle:
         deadline = time.monotonic() + self.transfer_timeout
+        held = tuple(int(b) for b in block_ids)
         try:
             req_id = self._send(msg)
         except DaemonUnavailable as exc:
-            return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc)))
-        return TransferHandle(self, req_id, count, deadline)
+            return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc)), held)
+        return TransferHandle(self, req_id, count, deadline, None, held)
+
+    def _fence(self, event, stream) -> bytes:
+        """IPC handle of the worker event the daemon must wait on (b"" = none)."""
+        if event is not None and stream is not None:
+            raise ValueError("pass either event or stream, not both")
+        if event is None and stream is None:
+            return b""
+        if stream is not None:
+            from ..transfer.events import record_on
+            self._ipc_event = record_on(stream, self._ipc_event)
+            event = self._ipc_event
+        return event if isinstance(event, bytes) else bytes(event.ipc_handle())
+
+    def open_event(self, handle: bytes, device):
+        """The daemon's interprocess event for ``handle``, opened once."""
+        from ..transfer.events import open_event
+        return open_event(self._events, handle, device)
 
     def _send(self, msg) -> int:
         req_id = next(self._ids)

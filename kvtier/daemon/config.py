@@ -18,7 +18,9 @@ from ..protocol.endpoints import default_socket
 from ..protocol.messages import MAX_MESSAGE_BYTES
 
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
-SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "swap_max"}
+SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "swap_max", "pin_chunk"}
+GPU_MODES = ("auto", "on", "off")
+GPU_COPY_METHODS = ("auto", "dma", "kernel")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class DaemonConfig:
     swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off
+    gpu: str = "auto"               # CUDA data path: auto (if a GPU is visible), on (required), off
+    pin_chunk: int = 16 * 2**30     # cudaHostRegister the pool in pieces of this size
+    gpu_copy: str = "auto"          # auto (measure, keep the faster), dma, kernel
     log_level: str = "INFO"
 
     def __post_init__(self):
@@ -75,6 +80,12 @@ class DaemonConfig:
         for key in ("socket_mode", "shm_mode"):
             if not 0 <= getattr(self, key) <= 0o777:
                 bad(key, "must be a file mode like 0o660")
+        if self.gpu not in GPU_MODES:
+            bad("gpu", f"must be one of {', '.join(GPU_MODES)}")
+        if not isinstance(self.pin_chunk, int) or self.pin_chunk <= 0:
+            bad("pin_chunk", "must be a positive size")
+        if self.gpu_copy not in GPU_COPY_METHODS:
+            bad("gpu_copy", f"must be one of {', '.join(GPU_COPY_METHODS)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
 

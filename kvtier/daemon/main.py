@@ -22,12 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="eviction policy: lru or fifo")
     p.add_argument("--tcp", help="also listen on tcp://HOST:PORT")
     p.add_argument("--events", help="publish block events on this endpoint (ipc path or tcp://)")
+    p.add_argument("--gpu", choices=("auto", "on", "off"),
+                   help="CUDA data path: auto (when a GPU is visible), on (fail without one), off")
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     return p
 
 
-FLAG_KEYS = ("socket", "pool_size", "slab_size", "ram_fraction", "policy", "tcp", "events", "log_level")
+FLAG_KEYS = ("socket", "pool_size", "slab_size", "ram_fraction", "policy", "tcp", "events", "log_level", "gpu")
 
 
 def main(argv: list[str] | None = None) -> int:

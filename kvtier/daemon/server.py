@@ -68,6 +68,7 @@ class Daemon(Handlers, StatsMixin):
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size),
                                 POLICIES[config.policy]())
         self.index.record_events = bool(config.events)
+        self.gpu = self._start_gpu()
         self.worker = CopyWorker(config.copy_threads)
         self._bind()
         log.info("kvtier-daemon pid %d: pool %s (%s), socket %s", os.getpid(), self.pool_name,
@@ -94,6 +95,34 @@ class Daemon(Handlers, StatsMixin):
             raise StartupError(
                 f"pool size {format_size(self.config.pool_size)} exceeds {self.config.ram_fraction:.0%} "
                 f"of available RAM ({format_size(avail)}); lower pool_size or raise ram_fraction")
+
+    def _start_gpu(self):
+        """The CUDA data path (pins the pool in the background), or None.
+        CUDA code is imported only when a device is visible and gpu != off."""
+        if self.config.gpu == "off":
+            return None
+        if not torch.cuda.is_available():
+            if self.config.gpu == "on":
+                self._abort_start("gpu = on but no CUDA device is visible")
+            return None
+        from ..transfer.gpu import GpuContext
+        slab = self.config.slab_size  # chunks of whole slabs: no block straddles two registrations
+        chunk = max(slab, self.config.pin_chunk // slab * slab)
+        try:
+            ctx = GpuContext(self.pool, chunk, self.config.gpu_copy)
+        except Exception as exc:  # a broken driver must not take the CPU tier down with it
+            if self.config.gpu == "on":
+                self._abort_start(f"gpu = on but CUDA failed to start: {exc}")
+            log.error("CUDA data path disabled: %s", exc)
+            return None
+        log.info("CUDA data path on %d device(s); pinning the pool in %s chunks",
+                 len(ctx.uuids), format_size(chunk))
+        return ctx
+
+    def _abort_start(self, why: str):
+        self.pool = None  # the tensor over the mapping must go before the unmap
+        self.segment.close(unlink=True)
+        raise StartupError(why)
 
     def _bind(self) -> None:
         self.ctx = zmq.Context()
@@ -213,8 +242,13 @@ class Daemon(Handlers, StatsMixin):
     def start_copy(self, op: Op, pairs, to_pool: bool) -> None:
         op.reg.inflight += 1
         op.client.ops.add(op)
-        layout, pool = op.reg.layout, self.pool
-        self.worker.submit(op, lambda: layout.copy(pool, pairs, to_pool))
+        layout, pool, engine = op.reg.layout, self.pool, op.reg.copier
+        if engine is not None:
+            def gpu_copy():
+                op.done_event = engine.copy(pool, pairs, to_pool, op.event)
+            self.worker.submit(op, gpu_copy)
+        else:
+            self.worker.submit(op, lambda: layout.copy(pool, pairs, to_pool))
 
     def _finish_copies(self) -> None:
         for op, error in self.worker.completed():
@@ -231,6 +265,7 @@ class Daemon(Handlers, StatsMixin):
         self.counters[op.kind + "s"] += 1
         if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:
             self._send(op.client.identity, op.request_id, op.extra(failed))
+        op.extra = None  # the reply builder may refer back to the op
         if op.reg.closing and op.reg.inflight == 0:
             self._release(op.reg)
 
@@ -275,7 +310,8 @@ class Daemon(Handlers, StatsMixin):
 
     def _release(self, reg: Registration) -> None:
         reg.client.regs.pop(reg.id, None)
-        reg.layout = None  # drop every tensor view before unmapping
+        reg.copier = None
+        reg.layout = None  # drop every tensor view before unmapping (CUDA: closes the IPC mapping)
         for seg in reg.segments:
             try:
                 seg.close(unlink=False)
@@ -325,6 +361,9 @@ class Daemon(Handlers, StatsMixin):
         if self.pub is not None:
             self.pub.close(0)
         self.ctx.term()
+        if self.gpu is not None:
+            self.gpu.close()  # unpin before the pool is unmapped
+            self.gpu = None
         self.pool = None
         try:
             self.segment.close(unlink=True)

@@ -60,6 +60,7 @@ class Registration:
     ns: Namespace
     layout: KVLayout | None
     segments: list
+    copier: Any = None                 # CudaCopyEngine for CUDA registrations
     inflight: int = 0
     closing: bool = False
 
@@ -74,3 +75,5 @@ class Op:
     nbytes: int
     started: float = field(default_factory=time.monotonic)
     extra: Any = None
+    event: bytes = b""                 # CUDA: the worker's event to wait on before copying
+    done_event: bytes = b""            # CUDA: this op's "copy finished" event (IPC handle)
