@@ -69,7 +69,7 @@ def render_status(s: dict) -> str:
         f"kvtier-daemon pid {s['pid']}  up {s['uptime_s']:.0f}s  socket {s['socket']}",
         f"pool      {format_size(p['capacity_bytes'])} capacity, {format_size(p['used_bytes'])} used, "
         f"{format_size(p['free_bytes'])} free, {format_size(p['waste_bytes'])} waste, "
-        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})",
+        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})" + _pinned(p),
         f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
         f"loads {t['loaded']} blocks ({format_size(t['load_bytes'])})",
@@ -108,6 +108,14 @@ def render_namespaces(rows: list[dict]) -> str:
                      f"{n['blocks']:>8} {format_size(n['bytes']):>12} {n['hits']:>9} {n['misses']:>9} "
                      f"{hit:>6} {n['stored']:>9} {n['loaded']:>9} {n['evicted']:>9}")
     return "\n".join(lines)
+
+
+def _pinned(p: dict) -> str:
+    """Pinning progress, shown only on daemons with a CUDA data path."""
+    if not p.get("pinning") and not p.get("pinned_bytes"):
+        return ""
+    state = "pinning" if p.get("pinning") else "pinned"
+    return f", {state} {format_size(p['pinned_bytes'])} of {format_size(p['capacity_bytes'])}"
 
 
 if __name__ == "__main__":

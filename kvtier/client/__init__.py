@@ -1,6 +1,6 @@
 """Engine-side client library.
 
-    from kvtier.client import Client, Namespace, ShmKVCache, block_hashes
+    from kvtier.client import Client, Namespace, ShmKVCache, CudaKVCache, block_hashes
 """
 
 from ..protocol.hashing import block_hashes, chain_hash
@@ -9,7 +9,7 @@ from .errors import DaemonUnavailable, KVTierError
 from .handles import TransferHandle, TransferResult
 from .namespace import Namespace
 
-__all__ = ["Client", "DaemonUnavailable", "KVTierError", "Namespace", "ShmKVCache",
+__all__ = ["Client", "CudaKVCache", "DaemonUnavailable", "KVTierError", "Namespace", "ShmKVCache",
            "TransferHandle", "TransferResult", "block_hashes", "chain_hash"]
 
 
@@ -17,4 +17,7 @@ def __getattr__(name):  # ShmKVCache needs torch; the CLI must not pay for impor
     if name == "ShmKVCache":
         from ..transfer.shm import ShmKVCache
         return ShmKVCache
+    if name == "CudaKVCache":
+        from ..transfer.cuda import CudaKVCache
+        return CudaKVCache
     raise AttributeError(name)

@@ -37,6 +37,7 @@ from .handles import TransferHandle, failed_all
 from .namespace import Namespace
 
 if TYPE_CHECKING:  # torch is only needed by engines that allocate KV tensors
+    from ..transfer.cuda import CudaKVCache
     from ..transfer.shm import ShmKVCache
 
 log = logging.getLogger("kvtier.client")
@@ -60,11 +61,13 @@ class Client:
         self._sock = None
         self._register_args: tuple | None = None
         self._reg: m.Registered | None = None
-        self.kv: "ShmKVCache | None" = None
+        self.kv: "ShmKVCache | CudaKVCache | None" = None
         self.block_factor = 1
         self.heartbeat_s = 1.0
         self.reconnects = 0
         self._healthy = False
+        self._ipc_event = None  # CUDA: the event recorded on the caller's stream for fences
+        self._events: dict = {}  # CUDA: daemon events opened from their IPC handles
         self._closed = False
         try:
             self._open_session(self.timeout)
@@ -139,7 +142,7 @@ class Client:
         self.close()
 
     # ---- registration ---------------------------------------------------------------
-    def register_kv_cache(self, kv: "ShmKVCache", block_dims: Sequence[int], namespace: Namespace | str,
+    def register_kv_cache(self, kv: "ShmKVCache | CudaKVCache", block_dims: Sequence[int], namespace: Namespace | str,
                           block_factor: int = 1, swap_quota: int = -1) -> m.Registered | None:
         """Export the engine's KV tensors once. ``block_dims[i]`` is the dimension
         of tensor i that indexes engine blocks (1 for FlashAttention's
@@ -176,19 +179,33 @@ class Client:
                 raise
         return 0
 
-    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferHandle:
+    def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, event=None,
+              stream=None) -> TransferHandle:
         """Copy engine blocks into the pool under ``hashes`` (block_factor ids
-        per hash). Blocks already stored are skipped. Do not overwrite the
-        source blocks until the handle is done."""
-        self._check_len(len(block_ids), len(hashes) * self.block_factor)
-        return self._transfer(m.Store(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids)), len(hashes))
+        per hash). Blocks already stored are skipped.
 
-    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0) -> TransferHandle:
+        The source blocks stay the daemon's to read until the handle is done:
+        the engine must not free, reuse or overwrite ``handle.held_blocks``
+        before then. GPU caches: pass the ``stream`` whose kernels wrote the
+        blocks (the client records an interprocess event on it) or your own
+        ``torch.cuda.Event(interprocess=True)`` already recorded there as
+        ``event``; the daemon's copy waits for it instead of reading early."""
+        self._check_len(len(block_ids), len(hashes) * self.block_factor)
+        msg = m.Store(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), self._fence(event, stream))
+        return self._transfer(msg, len(hashes), block_ids)
+
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0, *, event=None,
+             stream=None) -> TransferHandle:
         """Copy pool blocks into engine blocks. The result's ``failed`` lists the
-        hashes that were not loaded: the engine must recompute those."""
+        hashes that were not loaded: the engine must recompute those.
+
+        GPU caches: ``stream``/``event`` as for ``store``, marking when the
+        engine is done with the destination blocks; before attention reads
+        them, call ``handle.wait_event(stream)`` so that stream waits for the
+        daemon's copy."""
         self._check_len(len(block_ids), len(hashes) * self.block_factor - skip)
-        return self._transfer(m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip),
-                              len(hashes))
+        msg = m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip, self._fence(event, stream))
+        return self._transfer(msg, len(hashes), block_ids)
 
     # ---- request swap --------------------------------------------------------------------
     def offload(self, request: str | Mapping[str, Sequence[int]],
@@ -203,12 +220,12 @@ class Client:
         if not reqs or any(ids is None or len(ids) == 0 for ids in reqs.values()):
             raise ValueError("offload needs at least one request with at least one block")
         msg = m.Offload(self._reg_id(), [[r, pack_ids(ids)] for r, ids in reqs.items()])
-        return self._transfer(msg, len(reqs), names=tuple(reqs))
+        return self._transfer(msg, len(reqs), [b for ids in reqs.values() for b in ids], names=tuple(reqs))
 
     def restore(self, request: str, block_ids: Sequence[int]) -> TransferHandle:
         """Copy a swapped request back into (new) engine blocks and free its swap
         space. ``block_ids`` must have as many ids as were offloaded."""
-        return self._transfer(m.Restore(self._reg_id(), request, pack_ids(block_ids)), len(block_ids))
+        return self._transfer(m.Restore(self._reg_id(), request, pack_ids(block_ids)), len(block_ids), block_ids)
 
     def discard(self, request: str) -> None:
         """Free a swapped request (cancelled). Raises KVTierError if unknown;
@@ -238,17 +255,36 @@ class Client:
         if got != want:
             raise ValueError(f"expected {want} block ids, got {got}")
 
-    def _transfer(self, msg, count: int, names: tuple[str, ...] = ()) -> TransferHandle:
+    def _transfer(self, msg, count: int, block_ids: Sequence[int] = (),
+                  names: tuple[str, ...] = ()) -> TransferHandle:
         deadline = time.monotonic() + self.transfer_timeout
+        held = tuple(int(b) for b in block_ids)
         if not self._healthy:
             return TransferHandle(self, 0, count, deadline,
-                                  failed_all(count, "daemon unavailable", names))
+                                  failed_all(count, "daemon unavailable", names), names)
         try:
             req_id = self._send(msg)
         except DaemonUnavailable as exc:
             self._lose_session(str(exc))
-            return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc), names))
-        return TransferHandle(self, req_id, count, deadline, names=names)
+            return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc), names), names)
+        return TransferHandle(self, req_id, count, deadline, None, names, held)
+
+    def _fence(self, event, stream) -> bytes:
+        """IPC handle of the worker event the daemon must wait on (b"" = none)."""
+        if event is not None and stream is not None:
+            raise ValueError("pass either event or stream, not both")
+        if event is None and stream is None:
+            return b""
+        if stream is not None:
+            from ..transfer.events import record_on
+            self._ipc_event = record_on(stream, self._ipc_event)
+            event = self._ipc_event
+        return event if isinstance(event, bytes) else bytes(event.ipc_handle())
+
+    def open_event(self, handle: bytes, device):
+        """The daemon's interprocess event for ``handle``, opened once."""
+        from ..transfer.events import open_event
+        return open_event(self._events, handle, device)
 
     def _send(self, msg, connect_wait: float | None = None) -> int:
         req_id = next(self._ids)

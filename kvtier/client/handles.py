@@ -34,12 +34,32 @@ class TransferResult:
 
 class TransferHandle:
     """Poll with ``done()``, block with ``wait()``. A store's source blocks (and
-    a load's destination blocks) must not be reused until the handle is done."""
+    a load's destination blocks) must not be reused until the handle is done:
+    ``held_blocks`` names them and is empty once they are free again."""
 
     def __init__(self, client: "Client | None", req_id: int, count: int, deadline: float,
-                 result: TransferResult | None = None, names: tuple[str, ...] = ()):
+                 result: TransferResult | None = None, names: tuple[str, ...] = (),
+                 blocks: tuple[int, ...] = ()):
         self._client, self._req_id, self._count = client, req_id, count
         self._deadline, self._result, self._names = deadline, result, names
+        self._blocks = blocks
+        self._event = b""  # CUDA load: the daemon's "copy finished" event
+
+    @property
+    def held_blocks(self) -> tuple[int, ...]:
+        """Engine block ids the daemon may still read (store) or write (load)."""
+        return () if self.done() else self._blocks
+
+    def wait_event(self, stream=None) -> TransferResult:
+        """``wait()``, then make ``stream`` (default: the current CUDA stream)
+        wait on the daemon's copy before anything queued after this reads
+        the blocks. A no-op fence for CPU caches."""
+        result = self.wait()
+        if self._event:
+            import torch
+            stream = stream if stream is not None else torch.cuda.current_stream()
+            stream.wait_event(self._client.open_event(self._event, stream.device))
+        return result
 
     def done(self) -> bool:
         if self._result is None:
@@ -63,6 +83,7 @@ class TransferHandle:
         if reply is None:
             return
         if isinstance(reply, m.TransferDone):
+            self._event = reply.event
             self._result = TransferResult(reply.done, reply.skipped,
                                           tuple(unpack_ids(reply.failed).tolist()), reply.no_space,
                                           names=self._names)

@@ -18,7 +18,9 @@ from ..protocol.endpoints import default_socket
 from ..protocol.messages import MAX_MESSAGE_BYTES
 
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
-SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "swap_max"}
+SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "swap_max", "pin_chunk"}
+GPU_MODES = ("auto", "on", "off")
+GPU_COPY_METHODS = ("auto", "dma", "kernel")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class DaemonConfig:
     swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off
+    gpu: str = "auto"               # CUDA data path: auto (if a GPU is visible), on (required), off
+    pin_chunk: int = 16 * 2**30     # cudaHostRegister the pool in pieces of this size
+    gpu_copy: str = "auto"          # auto (measure, keep the faster), dma, kernel
     log_level: str = "INFO"
     log_format: str = "text"        # "text" or "json" (one JSON object per line)
     metrics: str = ""               # Prometheus HTTP endpoint HOST:PORT; "" = off
@@ -82,6 +87,12 @@ class DaemonConfig:
                 bad(key, "must be a file mode like 0o660")
         if not 0 <= self.copy_delay_s <= 60:
             bad("copy_delay_s", "must be in [0, 60]")
+        if self.gpu not in GPU_MODES:
+            bad("gpu", f"must be one of {', '.join(GPU_MODES)}")
+        if not isinstance(self.pin_chunk, int) or self.pin_chunk <= 0:
+            bad("pin_chunk", "must be a positive size")
+        if self.gpu_copy not in GPU_COPY_METHODS:
+            bad("gpu_copy", f"must be one of {', '.join(GPU_COPY_METHODS)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
         if self.log_format not in ("text", "json"):

@@ -59,23 +59,25 @@ class Handlers:
         if len(client.regs) >= 64:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many registrations for one client")
         try:
-            tensors, dims, segments = open_specs(msg.tensors)
+            tensors, dims, segments = open_specs(msg.tensors, gpu_uuids=self.gpu.uuids if self.gpu else None)
         except SpecError as exc:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
+        device = getattr(segments[0], "gpu_device", None)  # set only on CUDA mappings
         error = None
         try:
             layout = KVLayout(tensors, dims, msg.block_factor)
             ns = self.index.namespace(msg.namespace, layout.block_bytes)
-        except ValueError as exc:
-            error = str(exc)
+            copier = self.gpu.engine(layout, device) if device is not None else None
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: CUDA refused the stream/event
+            error = (ErrorCode.BAD_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL, str(exc))
         if error is not None:  # outside the except: its traceback holds tensor views
             del tensors
             layout = None
             for seg in segments:
                 seg.close()
-            raise DaemonError(ErrorCode.BAD_ARGUMENT, error)
+            raise DaemonError(*error)
         self.next_reg += 1
-        reg = Registration(self.next_reg, client, ns, layout, segments)
+        reg = Registration(self.next_reg, client, ns, layout, segments, copier)
         client.regs[reg.id] = reg
         if msg.swap_quota >= 0:
             client.swap_quota = msg.swap_quota
@@ -96,6 +98,7 @@ class Handlers:
 
     def on_store(self, identity, client, req_id, msg: m.Store):
         reg = self.registration(client, msg.reg)
+        wait = self.event_handle(reg, msg.event)
         keys = self.keys(msg.hashes)
         ids = self.engine_ids(reg, msg.blocks, len(keys) * reg.layout.block_factor)
         plan = self.index.prepare_store(reg.ns, keys)
@@ -107,11 +110,12 @@ class Handlers:
         if not pairs:
             return reply(plan.no_space)
         self.start_copy(Op("store", client, reg, req_id, plan, len(pairs) * reg.layout.engine_block_bytes,
-                           extra=reply), pairs, to_pool=True)
+                           extra=reply, event=wait), pairs, to_pool=True)
         return None
 
     def on_load(self, identity, client, req_id, msg: m.Load):
         reg = self.registration(client, msg.reg)
+        wait = self.event_handle(reg, msg.event)
         keys = self.keys(msg.hashes)
         k = reg.layout.block_factor
         if not 0 <= msg.skip < k:
@@ -122,13 +126,13 @@ class Handlers:
         plan = self.index.prepare_load(reg.ns, keys)
         offsets = [e.offset if e is not None else None for e in plan.entries]
         pairs = reg.layout.pairs(offsets, ids, msg.skip)
-        reply = lambda failed: m.TransferDone(  # noqa: E731
-            len(keys) - len(failed), 0, pack_ids(sorted(failed)))
+        op = Op("load", client, reg, req_id, plan, len(pairs) * reg.layout.engine_block_bytes, event=wait)
+        op.extra = lambda failed: m.TransferDone(  # the event: CUDA only, set when the copy finished
+            len(keys) - len(failed), 0, pack_ids(sorted(failed)), event=op.done_event)
         if not pairs:
             self.index.complete_load(plan)
-            return reply(plan.missing)
-        self.start_copy(Op("load", client, reg, req_id, plan, len(pairs) * reg.layout.engine_block_bytes,
-                           extra=reply), pairs, to_pool=False)
+            return op.extra(plan.missing)
+        self.start_copy(op, pairs, to_pool=False)
         return None
 
     # ---- request swap -------------------------------------------------------------
@@ -233,6 +237,17 @@ class Handlers:
             raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE,
                               f"cache {reg_id} is not registered by this client")
         return reg
+
+    @staticmethod
+    def event_handle(reg: Registration, event: bytes) -> bytes:
+        """A worker event to fence on: only meaningful for CUDA registrations."""
+        if not event:
+            return b""
+        if reg.copier is None:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "event given for a cache that is not on a GPU")
+        if len(event) > 4096:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "event handle too long")
+        return event
 
     @staticmethod
     def keys(hashes: bytes) -> list[bytes]:

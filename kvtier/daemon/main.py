@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", help="eviction policy: lru or fifo")
     p.add_argument("--tcp", help="also listen on tcp://HOST:PORT")
     p.add_argument("--events", help="publish block events on this endpoint (ipc path or tcp://)")
+    p.add_argument("--gpu", choices=("auto", "on", "off"),
+                   help="CUDA data path: auto (when a GPU is visible), on (fail without one), off")
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--log-format", dest="log_format", help="text or json (one object per line)")
     p.add_argument("--metrics", help='serve Prometheus metrics on HOST:PORT ("" = off)')
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FLAG_KEYS = ("socket", "pool_size", "slab_size", "ram_fraction", "policy", "tcp", "events", "log_level",
-             "log_format", "metrics")
+             "log_format", "metrics", "gpu")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,7 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         self.index.record_events = bool(config.events)
         self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
+        self.gpu = self._start_gpu()
         self.worker = CopyWorker(config.copy_threads)
         self.notifier.status(f"binding {config.socket}")
         self._bind()
@@ -109,6 +110,34 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
             raise StartupError(
                 f"pool size {format_size(self.config.pool_size)} exceeds {self.config.ram_fraction:.0%} "
                 f"of available RAM ({format_size(avail)}); lower pool_size or raise ram_fraction")
+
+    def _start_gpu(self):
+        """The CUDA data path (pins the pool in the background), or None.
+        CUDA code is imported only when a device is visible and gpu != off."""
+        if self.config.gpu == "off":
+            return None
+        if not torch.cuda.is_available():
+            if self.config.gpu == "on":
+                self._abort_start("gpu = on but no CUDA device is visible")
+            return None
+        from ..transfer.gpu import GpuContext
+        slab = self.config.slab_size  # chunks of whole slabs: no block straddles two registrations
+        chunk = max(slab, self.config.pin_chunk // slab * slab)
+        try:
+            ctx = GpuContext(self.pool, chunk, self.config.gpu_copy)
+        except Exception as exc:  # a broken driver must not take the CPU tier down with it
+            if self.config.gpu == "on":
+                self._abort_start(f"gpu = on but CUDA failed to start: {exc}")
+            log.error("CUDA data path disabled: %s", exc)
+            return None
+        log.info("CUDA data path on %d device(s); pinning the pool in %s chunks",
+                 len(ctx.uuids), format_size(chunk))
+        return ctx
+
+    def _abort_start(self, why: str):
+        self.pool = None  # the tensor over the mapping must go before the unmap
+        self.segment.close(unlink=True)
+        raise StartupError(why)
 
     def _bind(self) -> None:
         self.ctx = zmq.Context()
@@ -167,14 +196,18 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
             while not self._stop:
                 timeout = min(max(0.0, next_reap - time.monotonic()), self.housekeeping())
                 events = dict(poller.poll(timeout * 1000))
-                if self.router in events:
-                    self._read_requests()
-                if self.worker.wakeup_fd in events:
-                    self._finish_copies()
-                if time.monotonic() >= next_reap:
-                    self.reap_dead()
-                    next_reap = time.monotonic() + self.config.reap_interval_s
-                self._publish_events()
+                try:
+                    if self.router in events:
+                        self._read_requests()
+                    if self.worker.wakeup_fd in events:
+                        self._finish_copies()
+                    if time.monotonic() >= next_reap:
+                        next_reap = time.monotonic() + self.config.reap_interval_s
+                        self.reap_dead()
+                    self._publish_events()
+                except Exception:  # a bug must not take every engine's cache down with it
+                    log.exception("internal error in the daemon loop; continuing")
+                    self.errors[ErrorCode.INTERNAL.name] += 1
         finally:
             self.shutdown()
 
@@ -238,7 +271,13 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
     def start_copy(self, op: Op, pairs, to_pool: bool) -> None:
         op.reg.inflight += 1
         op.client.ops.add(op)
-        layout, pool, delay = op.reg.layout, self.pool, self.config.copy_delay_s
+        layout, pool, engine = op.reg.layout, self.pool, op.reg.copier
+        if engine is not None:  # CUDA: fenced copy on the registration's stream
+            def gpu_copy():
+                op.done_event = engine.copy(pool, pairs, to_pool, op.event)
+            self.worker.submit(op, gpu_copy)
+            return
+        delay = self.config.copy_delay_s
         if self.config.checksums:
             op.slots = self._slots(op)
         size, crcs, buf = op.reg.ns.block_bytes, self.crcs, self.segment.buffer
@@ -256,7 +295,13 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
 
     def _finish_copies(self) -> None:
         for op, error in self.worker.completed():
-            self.finish_op(op, error)
+            try:
+                self.finish_op(op, error)
+            except Exception as exc:  # a bug: the requester gets an error, the loop lives on
+                log.exception("internal error completing a %s for client %d", op.kind, op.client.id)
+                self.errors[ErrorCode.INTERNAL.name] += 1
+                self._send(op.client.identity, op.request_id,
+                           m.Error(int(ErrorCode.INTERNAL), f"{type(exc).__name__}: {exc}", "daemon"))
 
     @staticmethod
     def _slots(op: Op) -> list[tuple[int, int]]:
@@ -282,6 +327,7 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         self.counters[op.kind + "s"] += 1
         if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:
             self._send(op.client.identity, op.request_id, op.extra(failed))
+        op.extra = None  # the reply builder may refer back to the op
         if op.reg.closing and op.reg.inflight == 0:
             self._release(op.reg)
 
@@ -335,7 +381,8 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
 
     def _release(self, reg: Registration) -> None:
         reg.client.regs.pop(reg.id, None)
-        reg.layout = None  # drop every tensor view before unmapping
+        reg.copier = None
+        reg.layout = None  # drop every tensor view before unmapping (CUDA: closes the IPC mapping)
         for seg in reg.segments:
             try:
                 seg.close(unlink=False)
@@ -388,6 +435,9 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         if self.pub is not None:
             self.pub.close(0)
         self.ctx.term()
+        if self.gpu is not None:
+            self.gpu.close()  # unpin before the pool is unmapped
+            self.gpu = None
         self.pool = None
         try:
             self.segment.close(unlink=True)

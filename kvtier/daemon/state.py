@@ -59,6 +59,7 @@ class Registration:
     ns: Namespace
     layout: KVLayout | None
     segments: list
+    copier: Any = None                 # CudaCopyEngine for CUDA registrations
     inflight: int = 0
     closing: bool = False
 
@@ -76,3 +77,5 @@ class Op:
     slots: list = field(default_factory=list)  # (index in the request, pool offset)
     crcs: list = field(default_factory=list)   # checksums computed after a store
     bad: list = field(default_factory=list)    # indices whose checksum did not match
+    event: bytes = b""                 # CUDA: the worker's event to wait on before copying
+    done_event: bytes = b""            # CUDA: this op's "copy finished" event (IPC handle)

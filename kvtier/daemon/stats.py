@@ -44,10 +44,18 @@ class StatsMixin:
                      "free_slabs": len(alloc.free_slabs),
                      "blocks": sum(1 for n in self.index.namespaces.values()
                                    for e in n.entries.values() if e.state == READY),
-                     "evictions": self.index.evictions, "policy": self.config.policy},
+                     "evictions": self.index.evictions, "policy": self.config.policy,
+                     **self._pin_stats()},
             "swap": {"bytes": self.swap.total_bytes, "max_bytes": self.swap.max_bytes,
                      "requests": len(self.swap.records)},
             "namespaces": namespaces, "clients": clients, "totals": totals,
             "errors": dict(self.errors),
             "latency": self.latency.snapshot(),
+            "gpu": self.gpu.stats() if self.gpu is not None else {"enabled": False},
         }
+
+    def _pin_stats(self) -> dict:
+        """How much of the pool is registered for DMA (0/False without a GPU)."""
+        pinned = self.gpu.pinned if self.gpu is not None else None
+        return {"pinned_bytes": pinned.pinned_bytes if pinned else 0,
+                "pinning": bool(pinned and pinned.pinning)}

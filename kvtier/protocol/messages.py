@@ -80,6 +80,7 @@ class Store:
     reg: int
     hashes: bytes
     blocks: bytes           # engine block ids, block_factor per hash
+    event: bytes = b""      # CUDA: IPC handle of the worker's event recorded after the writes
     TAG: ClassVar[str]
 
 
@@ -89,6 +90,7 @@ class Load:
     hashes: bytes
     blocks: bytes           # engine block ids: block_factor per hash - skip
     skip: int = 0           # engine blocks of the first kvtier block not loaded
+    event: bytes = b""      # CUDA: IPC handle of the worker's event; the daemon writes after it
     TAG: ClassVar[str]
 
 
@@ -168,6 +170,7 @@ class TransferDone:
     skipped: int = 0        # store: already present (dedup) or being written
     failed: bytes = b""     # int32 indices (into the request's hashes/requests)
     no_space: bool = False  # store/offload: some blocks failed for lack of room
+    event: bytes = b""      # CUDA load: IPC handle of the daemon's event recorded after the copy
     TAG: ClassVar[str]
 
 

@@ -61,10 +61,20 @@ def tensor_spec(segment: str, offset: int, t: torch.Tensor, block_dim: int) -> d
             "shape": list(t.shape), "stride": list(t.stride()), "block_dim": block_dim}
 
 
-def open_specs(specs: list, max_tensors: int = 4096) -> tuple[list[torch.Tensor], list[int], list[ShmSegment]]:
-    """Daemon side: map each spec's segment (once per name) and build the tensors."""
+def open_specs(specs: list, max_tensors: int = 4096, gpu_uuids: list[str] | None = None) -> tuple[list, list[int], list]:
+    """Daemon side: map each spec's segment (once per name) and build the tensors.
+
+    CUDA specs go to ``cuda.open_cuda_specs`` (imported only then, so CPU
+    daemons never load CUDA code); ``gpu_uuids`` is the daemon's device table,
+    None without a CUDA data path. One registration uses one kind."""
     if not isinstance(specs, list) or not 0 < len(specs) <= max_tensors:
         raise SpecError(f"tensors must be a list of 1..{max_tensors} specs")
+    kinds = {s.get("kind", "shm") if isinstance(s, dict) else None for s in specs}
+    if "cuda" in kinds:
+        if kinds != {"cuda"}:
+            raise SpecError("a registration must not mix cuda and shm tensors")
+        from .cuda import open_cuda_specs
+        return open_cuda_specs(specs, gpu_uuids, max_tensors)
     segments: dict[str, ShmSegment] = {}
     tensors, dims = [], []
     try:

@@ -88,3 +88,7 @@ class CopyWorker:
                 os.write(self._wfd, b"x")
             except BlockingIOError:
                 pass  # pipe full: the loop is already due to wake
+            # Drop the finished job before blocking on the next one: its closure
+            # holds the registration's tensors, and for a CUDA cache those keep
+            # the worker's GPU memory mapped after the client is gone.
+            item = token = fn = error = None

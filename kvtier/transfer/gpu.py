@@ -1,0 +1,173 @@
+"""The daemon's GPU data path: pinned pool, one copy engine per CUDA registration.
+
+``GpuContext`` (one per daemon, only built when CUDA is available) pins the
+pool in the background, knows the local device UUIDs and picks the copy
+method. ``CudaCopyEngine`` (one per registration) owns a CUDA stream and a
+ring of interprocess "done" events, and runs a transfer like this:
+
+  store: wait for the worker's event (its kernels wrote the blocks) ->
+         copies GPU -> pool on the stream -> record "done" -> host waits for
+         "done"; only then the job returns and the daemon commits the blocks.
+  load:  wait for the worker's event (it finished with the destination
+         blocks) -> copies pool -> GPU -> record "done" -> host waits; the
+         reply carries that "done" event's IPC handle and the worker's stream
+         waits on it before attention reads the blocks.
+
+The worker's event is waited for on the host (polled, with a deadline), not
+with ``cudaStreamWaitEvent``: an event from a worker that dies never fires,
+and copies queued behind it could run after the op was reported failed and
+its pool slots reused. Polling gives up cleanly, with nothing queued.
+
+Each op records its own "done" event from the ring, so the handle in a reply
+is not re-recorded by the next op before the worker waits on it.
+
+Copy jobs run on the daemon's copy threads, so the control loop keeps
+answering lookups while the GPU works.
+
+Primitives: ``GpuContext(pool, chunk, method)`` with ``engine(layout, device)``,
+``stats()``, ``close()``; ``CudaCopyEngine.copy(pool, pairs, to_pool, wait_handle)
+-> done event handle``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from .copier import MethodChooser, RunCopier
+from .cuda import local_uuids
+from .pinning import PinnedPool
+from .runs import Geometry
+
+log = logging.getLogger("kvtier.gpu")
+METHODS = ("auto", "dma", "kernel")
+MAX_OPEN_EVENTS = 16  # imported worker events kept per registration
+DONE_RING = 32        # "done" events per registration, used round robin
+FENCE_TIMEOUT_S = 60.0
+
+
+class FenceTimeout(RuntimeError):
+    """The worker's event did not fire in time (worker dead or hung)."""
+
+
+class GpuContext:
+    def __init__(self, pool: torch.Tensor, chunk: int, method: str = "auto"):
+        if method not in METHODS:
+            raise ValueError(f"gpu copy method must be one of {METHODS}")
+        torch.cuda.init()
+        self.uuids = local_uuids()
+        self.chunk, self.method = chunk, method
+        self.chooser = MethodChooser()
+        self.pinned = PinnedPool(pool, chunk)
+        self.pinned.start()
+
+    def engine(self, layout, device: int) -> "CudaCopyEngine":
+        return CudaCopyEngine(self, layout, device)
+
+    def stats(self) -> dict:
+        return {"enabled": True, "devices": list(self.uuids), "copy_method": self.method,
+                "pin_chunk_bytes": self.chunk, "pin_error": self.pinned.error,
+                "kernel_devices": self.pinned.view_devices(),
+                "throughput_gbps": self.chooser.report()}
+
+    def close(self) -> None:
+        self.pinned.close()
+
+
+class CudaCopyEngine:
+    def __init__(self, ctx: GpuContext, layout, device: int):
+        self.ctx, self.layout, self.device = ctx, layout, device
+        geometry = Geometry.of(layout)
+        # A layout too scattered for runs falls back to KVLayout.copy (strided copy_, slower).
+        self.runs = RunCopier(layout, geometry) if geometry is not None else None
+        self.stream = torch.cuda.Stream(device=device)
+        self._ring: list = [None] * DONE_RING
+        self._next = 0
+        self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def copy(self, pool: torch.Tensor, pairs, to_pool: bool, wait_handle: bytes = b"") -> bytes:
+        """Runs on a copy thread; returns (the IPC handle of this op's "done"
+        event) once the bytes have really moved."""
+        timing = None
+        with torch.cuda.device(self.device):
+            if wait_handle:
+                wait_event_on_host(self._imported(wait_handle), FENCE_TIMEOUT_S)
+            slot, done, handle = self._done_event()
+            with torch.cuda.stream(self.stream):
+                if self.runs is None:
+                    self.layout.copy(pool, pairs, to_pool)
+                else:
+                    timing = self._copy_runs(pool, pairs, to_pool)
+                done.record(self.stream)
+        done.synchronize()
+        if timing is not None:
+            key, method, nbytes, start, end = timing
+            self.ctx.chooser.record(key, method, nbytes, start.elapsed_time(end) / 1e3)
+        if not handle:  # an IPC handle exists once the event was recorded
+            handle = bytes(done.ipc_handle())
+            with self._lock:
+                self._ring[slot] = (done, handle)
+        return handle
+
+    def _done_event(self):
+        """(slot, event, handle) for the next op; handle is b"" until first recorded."""
+        with self._lock:
+            i, self._next = self._next, (self._next + 1) % DONE_RING
+            if self._ring[i] is None:
+                self._ring[i] = (torch.cuda.Event(blocking=True, interprocess=True), b"")
+            return (i, *self._ring[i])
+
+    def _copy_runs(self, pool, pairs, to_pool):
+        units, merged = self.runs.plan(pairs, self.ctx.chunk)
+        count = sum(len(r.nbytes) for r in units)
+        if not count:
+            return None
+        nbytes = sum(r.total for r in units)
+        view = self.ctx.pinned.device_view(self.device) if self.ctx.method != "dma" else None
+        key, method = None, "dma"
+        if view is not None and self.ctx.method == "kernel":
+            method = "kernel"
+        elif view is not None:  # auto: measure both, then keep the faster per run size
+            key = MethodChooser.key(to_pool, nbytes // count)
+            method = self.ctx.chooser.pick(key)
+        start = end = None
+        if key is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+        if method == "kernel":
+            self.runs.kernel(view, units, to_pool)
+        else:
+            self.runs.dma(pool, merged, to_pool)
+        if key is None:
+            return None
+        end.record(self.stream)
+        return key, method, nbytes, start, end
+
+    def _imported(self, handle: bytes) -> torch.cuda.Event:
+        """The worker's interprocess event, opened once per handle."""
+        with self._lock:
+            ev = self._events.get(handle)
+            if ev is None:
+                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
+                self._events[handle] = ev
+                while len(self._events) > MAX_OPEN_EVENTS:
+                    self._events.popitem(last=False)
+            else:
+                self._events.move_to_end(handle)
+            return ev
+
+
+def wait_event_on_host(event, timeout: float) -> None:
+    """Poll ``event`` with a short backoff (5 us .. 1 ms) until it fired."""
+    deadline = time.monotonic() + timeout
+    delay = 5e-6
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise FenceTimeout(f"worker event not done after {timeout:.0f}s (worker dead or hung)")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
