@@ -86,9 +86,9 @@ fi
 run chown root:kvtier "$CONF_DIR" "$CONF_DIR/kvtier.toml"
 
 # 4. The operator guide, referenced by the unit's Documentation=.
-if [ -f "$HERE/docs/OPERATING.md" ]; then
+if [ -f "$HERE/README.md" ]; then
   install -d -m 0755 "$DOC_DIR"
-  install -m 0644 "$HERE/docs/OPERATING.md" "$DOC_DIR/OPERATING.md"
+  install -m 0644 "$HERE/README.md" "$DOC_DIR/README.md"
 fi
 
 # 5. Tell systemd.

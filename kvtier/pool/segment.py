@@ -40,7 +40,7 @@ class ShmSegment:
     """A mapped shared-memory segment; ``create=True`` makes and reserves it."""
 
     def __init__(self, name: str, size: int = 0, *, create: bool = False, mode: int = 0o600,
-                 populate: bool = True):
+                 populate: bool = True, group: int | None = None):
         self.name = name if name.startswith("/") else "/" + name
         self.owner = create
         self._mmap: mmap.mmap | None = None
@@ -58,6 +58,8 @@ class ShmSegment:
         try:
             if create:
                 os.fchmod(shm.fd, mode)  # umask must not widen or narrow the mode
+                if group is not None:  # e.g. the kvtier group, so the daemon's user can map it
+                    os.fchown(shm.fd, -1, group)
                 _reserve(shm.fd, size, self.name)
             self.size = os.fstat(shm.fd).st_size
             if self.size == 0:

@@ -11,6 +11,7 @@ only names and offsets travel.
 
 from __future__ import annotations
 
+import grp
 import itertools
 import os
 import secrets
@@ -33,7 +34,9 @@ class ShmKVCache:
     """Client side: KV tensors placed in one shared-memory segment."""
 
     def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype = torch.float16,
-                 mode: int = 0o600, name: str | None = None):
+                 mode: int = 0o600, name: str | None = None, group: str | int | None = None):
+        """``mode``/``group``: when the daemon runs as another user (the systemd
+        service runs as ``kvtier``), use ``mode=0o660, group="kvtier"``."""
         es = torch.empty((), dtype=dtype).element_size()
         sizes = [_numel(s) * es for s in shapes]
         offsets, total = [], 0
@@ -41,7 +44,8 @@ class ShmKVCache:
             offsets.append(total)
             total += -(-n // _ALIGN) * _ALIGN
         self.name = name or f"/{KV_PREFIX}{os.getpid()}.{next(_counter)}.{secrets.token_hex(3)}"
-        self.segment = ShmSegment(self.name, max(total, _ALIGN), create=True, mode=mode)
+        gid = grp.getgrnam(group).gr_gid if isinstance(group, str) else group
+        self.segment = ShmSegment(self.name, max(total, _ALIGN), create=True, mode=mode, group=gid)
         base = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
         self.offsets = offsets
         self.tensors = [base[o:o + n].view(dtype).view(s) for o, n, s in zip(offsets, sizes, shapes)]

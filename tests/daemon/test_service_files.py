@@ -53,7 +53,7 @@ def test_install_into_destdir_dry_run(tmp_path):
     assert conf.read_text() == open(os.path.join(REPO, "daemon", "kvtier.toml")).read()
     assert stat.S_IMODE(conf.stat().st_mode) == 0o640          # may hold the token
     assert stat.S_IMODE(conf.parent.stat().st_mode) == 0o750
-    assert (tmp_path / "usr/share/doc/kvtier/OPERATING.md").exists()
+    assert (tmp_path / "usr/share/doc/kvtier/README.md").exists()
     # System changes are only shown in a dry run.
     assert "would run: systemctl daemon-reload" in proc.stdout
     assert "would run: chown root:kvtier" in proc.stdout
