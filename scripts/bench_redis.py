@@ -12,6 +12,9 @@ processes at once; each reports bytes moved, the aggregate is GB/s.
 Stores are real on both sides: kvtier stores new hashes and each client
 flushes its own namespace between reps (untimed); Redis overwrites its keys.
 
+redis-py uses the hiredis reply parser when the ``hiredis`` package is
+importable (much faster GETs of large values); the report says which ran.
+
 Needs ``redis-server`` on PATH (apt-get install redis-server) and the
 ``redis`` module (pip install 'kvtier[bench]'); otherwise it prints why and
 exits 0.
@@ -192,11 +195,10 @@ def sweep_block(args, kvp, rp, clients: int, block: int) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict]) -> str:
+def render(rows: list[dict], title: str) -> str:
     body = [[r["clients"], bl.short_size(r["block_bytes"]), r["batch"], r["op"], r["kvtier_gbps"],
              r["redis_gbps"], r["kvtier_vs_redis"]] for r in rows]
-    return bl.table(["clients", "block", "batch", "op", "kvtier GB/s", "redis GB/s", "kvtier/redis"], body,
-                    "kvtier store/load vs Redis pipelined SET/GET (aggregate over clients)")
+    return bl.table(["clients", "block", "batch", "op", "kvtier GB/s", "redis GB/s", "kvtier/redis"], body, title)
 
 
 def parse(argv=None):
@@ -234,10 +236,15 @@ def main(argv=None) -> int:
             rows = sweep(args, d.socket, redis_server.socket)
     finally:
         redis_server.stop()
+    import redis.utils
     report = {"bench": "redis", "machine": bl.machine_notes(), "threads": args.threads,
+              "redis_py": redis.__version__,
+              "redis_parser": "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure-Python",
               "redis_server": subprocess.run([args.redis_server, "--version"], capture_output=True,
                                              text=True).stdout.strip(), "rows": rows}
-    bl.emit(report, [render(rows)], args.json)
+    title = (f"kvtier store/load vs Redis pipelined SET/GET (aggregate over clients; redis-py "
+             f"{report['redis_py']}, {report['redis_parser']} reply parser)")
+    bl.emit(report, [render(rows, title)], args.json)
     return 0
 
 

@@ -68,24 +68,26 @@ def fresh_hashes(n: int) -> list[bytes]:
 
 
 class Point:
-    """One (layout, block size, batch) measurement against a registered cache."""
+    """One (layout, block size, batch) point. Stores go through ``cs`` and
+    loads through ``cl``: two clients over the same cache in two namespaces,
+    so flushing the store namespace between reps keeps the loaded blocks."""
 
-    def __init__(self, args, client: Client, kv: ShmKVCache, bufs, layout: str, block: int, n: int):
-        self.args, self.c, self.kv, self.bufs = args, client, kv, bufs
+    def __init__(self, args, cs: Client, cl: Client, kv: ShmKVCache, bufs, layout: str, block: int, n: int):
+        self.args, self.cs, self.cl, self.kv, self.bufs = args, cs, cl, kv, bufs
         self.layout, self.block, self.n, self.nbytes = layout, block, n, n * block
         self.ids = list(range(n))
 
     def run(self) -> dict:
         a = self.args
-        rep = lambda fn, setup=None: bl.repeat(fn, a.min_time, a.min_reps, a.max_reps, setup)  # noqa: E731
-        t = {"store": rep(self._store, setup=self._flush)}
-        self._flush()
         hashes = fresh_hashes(self.n)
         self._check_roundtrip(hashes)
-        t["load"] = rep(lambda: self._expect(self.c.load(hashes, self.ids).wait(), self.n))
-        self._flush()
-        t["routine"] = rep(self._routine)
-        t["copy"] = rep(self._copy)
+        t = bl.round_robin({
+            "store": (self._store, lambda: self.cs.flush(self.cs.ns)),
+            "load": (lambda: self._expect(self.cl.load(hashes, self.ids).wait(), self.n), None),
+            "routine": (self._routine, None),
+            "copy": (self._copy, None)}, a.min_time, a.min_reps, a.max_reps)
+        self.cs.flush(self.cs.ns)
+        self.cl.flush(self.cl.ns)
         row = {"layout": self.layout, "tensors": len(self.kv.tensors), "block_bytes": self.block,
                "batch": self.n, "bytes": self.nbytes}
         for k, times in t.items():  # best rep: the machine is shared and noisy
@@ -98,18 +100,15 @@ class Point:
         return row
 
     def _store(self) -> None:
-        self._expect(self.c.store(fresh_hashes(self.n), self.ids).wait(), self.n)
-
-    def _flush(self) -> None:
-        self.c.flush()
+        self._expect(self.cs.store(fresh_hashes(self.n), self.ids).wait(), self.n)
 
     def _check_roundtrip(self, hashes) -> None:
         # Bytes stored must come back: stamp, store, wipe, load, compare.
         salt = next(_salt)
         stamp(self.kv, self.n, salt)
-        self._expect(self.c.store(hashes, self.ids).wait(), self.n)
+        self._expect(self.cl.store(hashes, self.ids).wait(), self.n)
         stamp(self.kv, self.n, 0)
-        self._expect(self.c.load(hashes, self.ids).wait(), self.n)
+        self._expect(self.cl.load(hashes, self.ids).wait(), self.n)
         if not stamps_ok(self.kv, self.n, salt):
             raise SystemExit(f"loaded bytes differ from stored bytes ({self.layout}, {self.block}, {self.n})")
 
@@ -132,6 +131,13 @@ def batches_for(args, block: int) -> list[int]:
     return sorted({min(b, cap) for b in args.batches})
 
 
+def connect(socket: str, kv: ShmKVCache, layout: str, block: int, role: str) -> Client:
+    c = Client(socket, name=f"bench-transfer-{role}", timeout=60, transfer_timeout=600)
+    c.ns = Namespace("bench-transfer", "float16", layout, TOKENS, extra=f"b{block}-{role}")
+    c.register_kv_cache(kv, [0] * len(kv.tensors), c.ns)
+    return c
+
+
 def sweep(args, socket: str, bufs) -> list[dict]:
     rows = []
     for layout in args.layouts:
@@ -141,15 +147,17 @@ def sweep(args, socket: str, bufs) -> list[dict]:
             for t in kv.tensors:
                 t.fill_(1)  # touch the engine pages once, like a live KV cache
             bufs["layout"] = KVLayout(kv.tensors, [0] * len(kv.tensors))
-            ns = Namespace("bench-transfer", "float16", layout, TOKENS, extra=f"b{block}")
-            with Client(socket, name="bench-transfer", timeout=60, transfer_timeout=600) as c:
-                c.register_kv_cache(kv, [0] * len(kv.tensors), ns)
+            cs, cl = (connect(socket, kv, layout, block, role) for role in ("store", "load"))
+            try:
                 for n in batches:
-                    rows.append(Point(args, c, kv, bufs, layout, block, n).run())
+                    rows.append(Point(args, cs, cl, kv, bufs, layout, block, n).run())
                     if args.progress:
                         r = rows[-1]
                         print(f"  {layout} {bl.short_size(block)} x{n}: store {r['store_gbps']:.2f} "
                               f"load {r['load_gbps']:.2f} copy_ {r['copy_gbps']:.2f} GB/s", flush=True)
+            finally:
+                cs.close()
+                cl.close()
             bufs["layout"] = None
             kv.close()
     return rows
@@ -181,7 +189,7 @@ def parse(argv=None):
     p.add_argument("--min-reps", type=int, default=3)
     p.add_argument("--max-reps", type=int, default=200)
     p.add_argument("--threads", type=int, default=1, help="torch threads here and in the daemon")
-    p.add_argument("--socket", help="use a running daemon instead of starting one (it gets flushed!)")
+    p.add_argument("--socket", help="use a running daemon instead of starting one")
     bl.add_json_flag(p)
     p.add_argument("--progress", action="store_true", help="print each point as it finishes")
     a = p.parse_args(argv)

@@ -41,6 +41,23 @@ def repeat(fn, min_time: float, min_reps: int = 3, max_reps: int = 1000, setup=N
     return times
 
 
+def round_robin(cases: dict, min_time: float, min_reps: int = 3, max_reps: int = 1000) -> dict:
+    """Time several cases in alternation, one rep of each per round, so all of
+    them see the same background load. ``cases``: name -> (fn, setup or None).
+    Runs until every case has ``min_time`` of timed work (and ``min_reps``)."""
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    rounds = 0
+    while rounds < max_reps and (rounds < min_reps or min(sum(t) for t in times.values()) < min_time):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    return times
+
+
 def pct(xs: list[float], p: float) -> float:
     """p-th percentile (nearest rank) of ``xs``."""
     s = sorted(xs)
@@ -83,7 +100,8 @@ def machine_notes() -> dict:
     import torch
     return {"cpus": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "cuda": torch.cuda.is_available()}
+            "python": platform.python_version(), "cuda": torch.cuda.is_available(),
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}  # other tenants share the 2 cores
 
 
 def table(headers: list[str], rows: list[list], title: str = "") -> str:

@@ -83,6 +83,8 @@ class Generation:
     loaded_bytes: int = 0
     stored_blocks: int = 0             # newly stored (the daemon skips known blocks)
     prefilled_tokens: int = 0
+    lookup_s: float = 0.0             # parts of ttft_s spent asking the tier and loading from it
+    load_s: float = 0.0
     snapshot: list = field(default_factory=list, repr=False)  # KV of the first blocks, if asked
 
 
@@ -130,12 +132,15 @@ class Engine:
 
     def _load_prefix(self, hashes: list[bytes], table: list[int], prompt_len: int, gen: Generation) -> int:
         """Load the longest cached prefix; returns how many prompt tokens it covers."""
+        t0 = time.perf_counter()
         hits = self.client.lookup(hashes)
         hits = min(hits, (prompt_len - 1) // self.cfg.block_size)  # the last token is always computed
+        t1 = time.perf_counter()
         if hits:
             result = self.client.load(hashes[:hits], table[:hits]).wait()
             if result.failed:  # recompute from the first block that did not arrive
                 hits = min(result.failed)
+        gen.lookup_s, gen.load_s = t1 - t0, time.perf_counter() - t1
         gen.hit_blocks, gen.loaded_bytes = hits, hits * self.block_bytes
         return hits * self.cfg.block_size
 

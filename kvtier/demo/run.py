@@ -107,7 +107,7 @@ def engine_b(socket: str, args) -> list[dict]:
 def summary(g) -> dict:
     return {"tokens": g.tokens, "ttft_ms": g.ttft_s * 1e3, "prompt_blocks": g.prompt_blocks,
             "hit_blocks": g.hit_blocks, "loaded_bytes": g.loaded_bytes, "stored_blocks": g.stored_blocks,
-            "prefilled_tokens": g.prefilled_tokens}
+            "prefilled_tokens": g.prefilled_tokens, "lookup_ms": g.lookup_s * 1e3, "load_ms": g.load_s * 1e3}
 
 
 def _child(target, q, socket, args) -> None:
@@ -168,6 +168,7 @@ def build_report(args, a_rows: list[dict], b_rows: list[dict], stats: dict) -> d
         "hit_blocks": hit_blocks, "hit_rate": hit_blocks / prompt_blocks if prompt_blocks else 0.0,
         "ttft_ms_without": ttft_without[mid], "ttft_ms_with": ttft_with[mid],
         "ttft_speedup": ttft_without[mid] / ttft_with[mid],
+        "lookup_ms": sorted(r["lookup_ms"] for r in b_rows)[mid], "load_ms": sorted(r["load_ms"] for r in b_rows)[mid],
         "bytes_loaded": stats["totals"]["load_bytes"], "bytes_stored": stats["totals"]["store_bytes"],
         "daemon_hit_rate": ns[0]["hits"] / max(1, ns[0]["hits"] + ns[0]["misses"]) if ns else 0.0,
     }
@@ -179,19 +180,20 @@ def render(r: dict) -> str:
              f"engine KV cache: {r['engine_kv_blocks']} blocks of {r['block_tokens']} tokens "
              f"({format_size(r['block_bytes'])} each) = room for one request, so reuse must go through kvtier",
              "", f"{'engine':<8}{'question':>9}{'hit blocks':>12}{'prefilled':>11}{'TTFT ms':>10}"
-             f"{'TTFT no tier':>14}{'tokens equal':>14}{'logits equal':>14}"]
+             f"{'(load ms)':>10}{'TTFT no tier':>14}{'tokens equal':>14}{'logits equal':>14}"]
     for i, a in enumerate(r["engine_a"]):
         lines.append(f"{'A':<8}{i + 1:>9}{a['hit_blocks']:>7}/{a['prompt_blocks']:<4}{a['prefilled_tokens']:>11}"
-                     f"{a['ttft_ms']:>10.1f}{'-':>14}{'-':>14}{'-':>14}")
+                     f"{a['ttft_ms']:>10.1f}{a['load_ms']:>10.1f}{'-':>14}{'-':>14}{'-':>14}")
     for i, b in enumerate(r["engine_b"]):
         lines.append(f"{'B':<8}{i + 1:>9}{b['hit_blocks']:>7}/{b['prompt_blocks']:<4}{b['prefilled_tokens']:>11}"
-                     f"{b['ttft_ms']:>10.1f}{b['ref_ttft_ms']:>14.1f}{str(b['identical_tokens']):>14}"
-                     f"{str(b['identical_logits']):>14}")
+                     f"{b['ttft_ms']:>10.1f}{b['load_ms']:>10.1f}{b['ref_ttft_ms']:>14.1f}"
+                     f"{str(b['identical_tokens']):>14}{str(b['identical_logits']):>14}")
     lines += ["",
               f"engine B: identical tokens {r['identical_tokens']}, identical logits {r['identical_logits']}, "
               f"identical document KV {r['identical_kv']}",
               f"engine B hit rate {r['hit_rate']:.1%} of prompt blocks; TTFT median {r['ttft_ms_with']:.1f} ms "
-              f"with kvtier vs {r['ttft_ms_without']:.1f} ms without ({r['ttft_speedup']:.1f}x)",
+              f"with kvtier (lookup {r['lookup_ms']:.1f} ms, load {r['load_ms']:.1f} ms) vs "
+              f"{r['ttft_ms_without']:.1f} ms without ({r['ttft_speedup']:.1f}x)",
               f"daemon: {format_size(r['bytes_stored'])} stored, {format_size(r['bytes_loaded'])} loaded, "
               f"lookup hit rate {r['daemon_hit_rate']:.1%}"]
     return "\n".join(lines)
