@@ -63,10 +63,6 @@ class Engine:
         self.kv.close()
 
 
-def timed(fn, args) -> list[float]:
-    return bl.repeat(fn, args.min_time, args.min_reps, args.max_reps)
-
-
 # ---- 1. latency vs hashes per call ---------------------------------------------------
 def latency_sweep(args, socket: str) -> list[dict]:
     e = Engine(socket, max(args.sizes))
@@ -75,33 +71,32 @@ def latency_sweep(args, socket: str) -> list[dict]:
     rows = []
     try:
         for n in args.sizes:
-            hit, miss = stored[:n], hashes(n)
-            assert e.c.lookup(hit) == n and e.c.lookup(miss) == 0
-            t_hit = timed(lambda: e.c.lookup(hit), args)
-            t_miss = timed(lambda: e.c.lookup(miss), args)
-            t_bare = bare_latency(args, *lookup_frame_bytes(n))
-            rows.append({"hashes": n, "frame_bytes": lookup_frame_bytes(n)[0],
-                         "hit_p50_us": bl.pct(t_hit, 50) * 1e6, "hit_p99_us": bl.pct(t_hit, 99) * 1e6,
-                         "hit_mean_us": sum(t_hit) / len(t_hit) * 1e6,
-                         "miss_p50_us": bl.pct(t_miss, 50) * 1e6, "miss_p99_us": bl.pct(t_miss, 99) * 1e6,
-                         "bare_p50_us": bl.pct(t_bare, 50) * 1e6, "bare_p99_us": bl.pct(t_bare, 99) * 1e6,
-                         "reps": len(t_hit)})
-            rows[-1]["hit_vs_bare_p50"] = rows[-1]["hit_p50_us"] / rows[-1]["bare_p50_us"]
+            rows.append(latency_point(args, e, stored[:n], hashes(n)))
     finally:
         e.close()
     return rows
 
 
-def bare_latency(args, frame: int, reply: int) -> list[float]:
+def latency_point(args, e: Engine, hit: list[bytes], miss: list[bytes]) -> dict:
+    """Hit, miss and bare round trips timed in alternation (same background load)."""
+    n = len(hit)
+    assert e.c.lookup(hit) == n and e.c.lookup(miss) == 0
+    frame, reply = lookup_frame_bytes(n)
     path = os.path.join(tempfile.mkdtemp(prefix="kvtier-echo-"), "echo.sock")
     with bl.EchoServer(path, reply):
-        c = bl.BareClient(path, frame)
+        bare = bl.BareClient(path, frame)
         for _ in range(50):  # connect and warm up
-            c.call()
-        times = timed(c.call, args)
-        c.close()
+            bare.call()
+        t = bl.round_robin({"hit": (lambda: e.c.lookup(hit), None), "miss": (lambda: e.c.lookup(miss), None),
+                            "bare": (bare.call, None)}, args.min_time, args.min_reps, args.max_reps)
+        bare.close()
     os.rmdir(os.path.dirname(path))
-    return times
+    row = {"hashes": n, "frame_bytes": frame, "reps": len(t["hit"])}
+    for k, times in t.items():
+        row[f"{k}_p50_us"], row[f"{k}_p99_us"] = bl.pct(times, 50) * 1e6, bl.pct(times, 99) * 1e6
+    row["hit_mean_us"] = sum(t["hit"]) / len(t["hit"]) * 1e6
+    row["hit_vs_bare_p50"] = row["hit_p50_us"] / row["bare_p50_us"]
+    return row
 
 
 # ---- 2. throughput with several client processes --------------------------------------
@@ -132,8 +127,10 @@ def throughput_sweep(args, socket: str) -> list[dict]:
     with bl.EchoServer(path, reply), bl.WorkerPool(max(args.clients), LookupClient, socket, path,
                                                    args.tput_hashes, args.threads) as pool:
         for n in args.clients:
-            k = sum(pool.run(n, "kvtier", args.duration)) / args.duration
-            b = sum(pool.run(n, "bare", args.duration)) / args.duration
+            k = b = 0
+            for _ in range(args.slices):  # alternate the two so both see the same background load
+                k += sum(pool.run(n, "kvtier", args.duration / args.slices)) / args.duration
+                b += sum(pool.run(n, "bare", args.duration / args.slices)) / args.duration
             rows.append({"clients": n, "hashes": args.tput_hashes, "kvtier_rps": k, "bare_rps": b,
                          "kvtier_vs_bare": k / b})
     os.rmdir(os.path.dirname(path))
@@ -166,7 +163,7 @@ def index_row(args, e: Engine, keys: list[bytes], added: int, store_s: float, gr
         start = (len(keys) // 2) // n * n  # a chain from the middle of the index
         chain = keys[start:start + n] if len(keys) >= n else keys
         assert e.c.lookup(chain) == len(chain)
-        t = timed(lambda: e.c.lookup(chain), args)
+        t = bl.repeat(lambda: e.c.lookup(chain), args.min_time, args.min_reps, args.max_reps)
         row[f"lookup{n}_p50_us"], row[f"lookup{n}_p99_us"] = bl.pct(t, 50) * 1e6, bl.pct(t, 99) * 1e6
     t = bl.repeat(e.c.stats, args.min_time / 4, 3, 50)
     row["stats_p50_ms"] = bl.pct(t, 50) * 1e3
@@ -202,7 +199,8 @@ def parse(argv=None):
     p.add_argument("--sizes", type=bl.int_list, default=None, help="hashes per lookup, default 1,4,...,4096")
     p.add_argument("--clients", type=bl.int_list, default=None, help="process counts, default 1,4,16")
     p.add_argument("--tput-hashes", type=int, default=32)
-    p.add_argument("--duration", type=float, default=None, help="seconds per throughput point")
+    p.add_argument("--duration", type=float, default=None, help="seconds per throughput point and side")
+    p.add_argument("--slices", type=int, default=3, help="kvtier/bare alternations per throughput point")
     p.add_argument("--index-sizes", type=bl.int_list, default=None,
                    help="index sizes, default 1000,10000,100000,1000000 (--quick up to 100000)")
     p.add_argument("--min-time", type=float, default=None, help="timed seconds per latency point")

@@ -165,10 +165,17 @@ def _ok(result, n: int) -> None:
 
 
 # ---- driver ------------------------------------------------------------------------------
-def measure(pool: bl.WorkerPool, clients: int, point, duration: float) -> float:
-    """Aggregate GB/s: total bytes over the longest client's timed busy time."""
-    results = pool.run(clients, point, duration)
-    return bl.gbps(sum(b for b, _ in results), max(s for _, s in results))
+def measure_pair(pools: dict, clients: int, point, duration: float, slices: int) -> dict:
+    """Aggregate GB/s per side (total bytes over the slowest client's timed
+    busy time). The sides alternate in ``slices`` slices so both see the
+    same background load on this shared machine."""
+    moved = {k: [0, 0.0] for k in pools}
+    for _ in range(slices):
+        for side, pool in pools.items():
+            results = pool.run(clients, point, duration / slices)
+            moved[side][0] += sum(b for b, _ in results)
+            moved[side][1] += max(s for _, s in results)
+    return {side: bl.gbps(b, s) for side, (b, s) in moved.items()}
 
 
 def sweep(args, kv_socket: str, redis_socket: str) -> list[dict]:
@@ -185,8 +192,8 @@ def sweep_block(args, kvp, rp, clients: int, block: int) -> list[dict]:
     rows = []
     n = max(1, min(args.batch, args.max_point_bytes // block))
     for op in ("store", "load"):
-        k = measure(kvp, clients, (block, n, op), args.duration)
-        r = measure(rp, clients, (block, n, op), args.duration)
+        got = measure_pair({"kvtier": kvp, "redis": rp}, clients, (block, n, op), args.duration, args.slices)
+        k, r = got["kvtier"], got["redis"]
         rows.append({"clients": clients, "block_bytes": block, "batch": n, "op": op,
                      "kvtier_gbps": k, "redis_gbps": r, "kvtier_vs_redis": k / r})
         if args.progress:
@@ -209,7 +216,8 @@ def parse(argv=None):
     p.add_argument("--max-point-bytes", type=bl.parse_size, default=bl.parse_size("64MiB"),
                    help="per client per call; the batch shrinks for big blocks")
     p.add_argument("--clients", type=bl.int_list, default=None, help="process counts, default 1,4")
-    p.add_argument("--duration", type=float, default=None, help="seconds per point")
+    p.add_argument("--duration", type=float, default=None, help="seconds per point and side")
+    p.add_argument("--slices", type=int, default=None, help="alternations of the two sides per point")
     p.add_argument("--pool-size", default="2GiB")
     p.add_argument("--threads", type=int, default=1, help="torch threads in clients and daemon")
     p.add_argument("--redis-server", default=shutil.which("redis-server"), help="redis-server binary")
@@ -219,6 +227,7 @@ def parse(argv=None):
     a.block_sizes = a.block_sizes or bl.size_list("32KiB,2MiB" if a.quick else "32KiB,512KiB,2MiB")
     a.clients = a.clients or [1, 4]
     a.duration = a.duration or (0.5 if a.quick else 2.0)
+    a.slices = a.slices or (1 if a.quick else 4)
     return a
 
 
