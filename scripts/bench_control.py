@@ -222,13 +222,14 @@ def main(argv=None) -> int:
     from kvtier.demo.daemon_proc import PrivateDaemon
     args = parse(argv)
     env = bl.use_threads(args.threads)
-    report = {"bench": "control", "machine": bl.machine_notes(), "threads": args.threads}
+    report = {"bench": "control", "threads": args.threads}
     with PrivateDaemon("64MiB", "4MiB", env=env) as d:
         report["latency"] = latency_sweep(args, d.socket)
         report["throughput"] = throughput_sweep(args, d.socket)
     pool = max(64 * 2**20, 2 * max(args.index_sizes) * BLOCK)  # slack: ~1 slab per 16 Mi of blocks
     with PrivateDaemon(str(pool), "16MiB", env=env) as d:
         report["index"] = index_sweep(args, d)
+    report["machine"] = bl.machine_notes()  # after the run: the load average it ended under
     bl.emit(report, render(report), args.json)
     return 0
 

@@ -101,7 +101,7 @@ def machine_notes() -> dict:
     return {"cpus": os.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "cuda": torch.cuda.is_available(),
-            "loadavg_1m_at_end": round(os.getloadavg()[0], 2)}  # other tenants share the 2 cores
+            "loadavg_1m": round(os.getloadavg()[0], 2)}  # other tenants share the 2 cores
 
 
 def table(headers: list[str], rows: list[list], title: str = "") -> str:
