@@ -56,7 +56,7 @@ def test_bench_transfer_measures_every_point_of_both_layouts(tmp_path):
 
 def test_bench_control_reports_latency_throughput_and_index_scaling():
     out = json.loads(script("bench_control.py", "--sizes", "1,16", "--clients", "1,2", "--duration", "0.2",
-                            "--index-sizes", "100,2000", "--min-time", "0", "--min-reps", "20",
+                            "--slices", "1", "--index-sizes", "100,2000", "--min-time", "0", "--min-reps", "20",
                             "--max-reps", "20", "--json"))
     assert [r["hashes"] for r in out["latency"]] == [1, 16]
     for r in out["latency"]:
@@ -79,7 +79,7 @@ def redis_missing() -> str | None:
 @pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
 def test_bench_redis_compares_both_ops():
     out = json.loads(script("bench_redis.py", "--block-sizes", "32KiB", "--batch", "4", "--clients", "1",
-                            "--duration", "0.1", "--pool-size", "32MiB", "--json"))
+                            "--duration", "0.1", "--slices", "1", "--pool-size", "32MiB", "--json"))
     assert [(r["op"], r["batch"], r["clients"]) for r in out["rows"]] == [("store", 4, 1), ("load", 4, 1)]
     for r in out["rows"]:
         assert r["kvtier_gbps"] > 0 and r["redis_gbps"] > 0
