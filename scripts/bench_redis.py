@@ -12,8 +12,9 @@ processes at once; each reports bytes moved, the aggregate is GB/s.
 Stores are real on both sides: kvtier stores new hashes and each client
 flushes its own namespace between reps (untimed); Redis overwrites its keys.
 
-redis-py uses the hiredis reply parser when the ``hiredis`` package is
-importable (much faster GETs of large values); the report says which ran.
+redis-py switches to hiredis when the ``hiredis`` package is importable
+(here: somewhat faster GETs, slower SETs of large values; see
+BENCHMARKS.md); the report says which parser ran.
 
 Needs ``redis-server`` on PATH (apt-get install redis-server) and the
 ``redis`` module (pip install 'kvtier[bench]'); otherwise it prints why and

@@ -9,10 +9,10 @@ For each KV layout, block size and batch size this measures, in one run:
             on the same blocks: the copy cost without IPC or the daemon loop
   copy_     one torch ``copy_`` of the same bytes between touched buffers:
             the memory-bandwidth ceiling of this machine
-Layouts: ``mla`` (one tensor, ``(num_blocks, block_bytes)``: blocks are
+Layouts: ``mla`` (one tensor, ``(num_blocks, block_bytes / 2)`` fp16: blocks are
 contiguous, adjacent blocks merge into one copy) and ``flashinfer`` (one
-tensor per layer, ``(num_blocks, 2, 16, heads, head_dim)``: one copy per
-block per layer, which shows the per-block overhead).
+tensor per layer, ``(num_blocks, 2, 16, heads, head_dim)``: 32 pieces per
+block, which shows the per-block and per-tensor overhead).
 
     python scripts/bench_transfer.py            # full sweep (a few minutes)
     python scripts/bench_transfer.py --quick    # smaller sweep
