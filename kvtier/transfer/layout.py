@@ -57,7 +57,6 @@ class KVLayout:
         self.tensor_offsets = np.cumsum([0] + self.sub_bytes[:-1]).tolist()
         # Blocks that are one contiguous byte run are copied as raw bytes.
         self.flat = [_byte_view(m) if m[0].is_contiguous() else None for m in moved]
-        self.single_run = len(moved) == 1 and self.flat[0] is not None
 
     def pairs(self, offsets: list, engine_ids: np.ndarray, skip: int = 0) -> list[tuple[int, int]]:
         """(pool offset, engine id) per engine block; ``None`` offsets are skipped.
@@ -89,33 +88,40 @@ class KVLayout:
         return None
 
     def copy(self, pool: torch.Tensor, pairs: list[tuple[int, int]], to_pool: bool) -> None:
-        """Copy between kvtier pool bytes and engine blocks; no temporaries."""
-        if self.single_run:
-            self._copy_runs(pool, pairs, to_pool)
-            return
-        for dst_off, eid in pairs:
+        """Copy between kvtier pool bytes and engine blocks; no temporaries.
+
+        Blocks adjacent on both sides (the allocator hands out adjacent slots)
+        form a run, copied with one ``copy_`` per tensor: a strided view of
+        the run's pool rows against the tensor's contiguous blocks. Per-block
+        copies cost ~2-3 us each, which dominated per-layer layouts.
+        """
+        eb = self.engine_block_bytes
+        for off, eid, n in _runs(pairs, eb):
             for m, flat, sub, toff in zip(self.moved, self.flat, self.sub_bytes, self.tensor_offsets):
-                p = pool[dst_off + toff: dst_off + toff + sub]
-                if flat is not None:
-                    e = flat[eid * sub: (eid + 1) * sub]
-                else:
-                    e, p = m[eid], p.view(m.dtype).view(m.shape[1:])
+                if flat is not None and (n == 1 or sub == eb):  # contiguous on both sides: 1-D, cheapest
+                    p, e = pool[off + toff: off + toff + n * sub], flat[eid * sub: (eid + n) * sub]
+                elif flat is not None:
+                    p = pool[off: off + n * eb].view(n, eb)[:, toff: toff + sub]
+                    e = flat[eid * sub: (eid + n) * sub].view(n, sub)
+                else:  # blocks not contiguous in the engine tensor: one by one
+                    for j in range(n):
+                        p = pool[off + j * eb + toff: off + j * eb + toff + sub].view(m.dtype).view(m.shape[1:])
+                        (p.copy_(m[eid + j]) if to_pool else m[eid + j].copy_(p))
+                    continue
                 (p.copy_(e) if to_pool else e.copy_(p))
 
-    def _copy_runs(self, pool: torch.Tensor, pairs: list[tuple[int, int]], to_pool: bool) -> None:
-        # One tensor whose blocks are contiguous: merge runs that are adjacent
-        # on both sides into one copy (the allocator hands out adjacent slots).
-        flat, sub = self.flat[0], self.sub_bytes[0]
-        i = 0
-        while i < len(pairs):
-            off, eid = pairs[i]
-            n = 1
-            while (i + n < len(pairs) and pairs[i + n][0] == off + n * sub
-                   and pairs[i + n][1] == eid + n):
-                n += 1
-            p, e = pool[off: off + n * sub], flat[eid * sub: (eid + n) * sub]
-            (p.copy_(e) if to_pool else e.copy_(p))
-            i += n
+
+def _runs(pairs: list[tuple[int, int]], stride: int):
+    """(pool offset, engine id, length) of maximal runs where both the pool
+    offset (by ``stride``) and the engine id (by 1) advance together."""
+    i = 0
+    while i < len(pairs):
+        off, eid = pairs[i]
+        n = 1
+        while i + n < len(pairs) and pairs[i + n][0] == off + n * stride and pairs[i + n][1] == eid + n:
+            n += 1
+        yield off, eid, n
+        i += n
 
 
 def _byte_view(m: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,117 @@
+"""Smoke tests: every benchmark script and the demo run end to end at tiny sizes.
+
+Each runs as a subprocess exactly as a user would (real daemon, real client
+processes) and its report is checked for the keys and values BENCHMARKS.md
+relies on, so a refactor that breaks a script fails here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPTS = os.path.join(REPO, "scripts")
+
+
+def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def script(name: str, *args: str) -> str:
+    return run([os.path.join(SCRIPTS, name), *args]).stdout
+
+
+def test_bench_transfer_measures_every_point_of_both_layouts(tmp_path):
+    report = tmp_path / "transfer.json"
+    table = script("bench_transfer.py", "--block-sizes", "32KiB,256KiB", "--batches", "1,8,64",
+                   "--max-point-bytes", "2MiB", "--pool-size", "32MiB", "--slab-size", "4MiB", "--layers", "4",
+                   "--min-time", "0", "--min-reps", "2", "--max-reps", "2", "--json", str(report))
+    rows = json.loads(report.read_text())["rows"]
+    points = {(r["layout"], r["block_bytes"], r["batch"]) for r in rows}
+    # 256 KiB x 64 exceeds the 2 MiB cap, so that batch shrinks to 8 and merges with the 8 point.
+    assert points == {(lay, b, n) for lay in ("mla", "flashinfer") for b, n in
+                      [(32768, 1), (32768, 8), (32768, 64), (262144, 1), (262144, 8)]}
+    for r in rows:
+        assert r["bytes"] == r["block_bytes"] * r["batch"]
+        assert min(r["store_gbps"], r["load_gbps"], r["routine_gbps"], r["copy_gbps"]) > 0
+        assert r["load_vs_copy"] == pytest.approx(r["load_gbps"] / r["copy_gbps"])
+    assert {r["tensors"] for r in rows} == {1, 4}
+    # The same run printed the Markdown table: header, rule, one line per point.
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")]
+    assert "store/copy_" in lines[0] and "load/copy_" in lines[0]
+    assert len(lines) == 2 + len(rows) and sum("flashinfer x4" in ln for ln in lines) == 5
+
+
+def test_bench_control_reports_latency_throughput_and_index_scaling():
+    out = json.loads(script("bench_control.py", "--sizes", "1,16", "--clients", "1,2", "--duration", "0.2",
+                            "--slices", "1", "--index-sizes", "100,2000", "--min-time", "0", "--min-reps", "20",
+                            "--max-reps", "20", "--json"))
+    assert [r["hashes"] for r in out["latency"]] == [1, 16]
+    for r in out["latency"]:
+        assert 0 < r["hit_p50_us"] <= r["hit_p99_us"] and 0 < r["bare_p50_us"] <= r["bare_p99_us"]
+        assert r["frame_bytes"] > 16 * r["hashes"]
+    assert [r["clients"] for r in out["throughput"]] == [1, 2]
+    assert all(r["kvtier_rps"] > 0 and r["bare_rps"] > 0 for r in out["throughput"])
+    assert [r["blocks"] for r in out["index"]] == [100, 2000]
+    assert all(r["lookup32_p50_us"] > 0 and r["stats_p50_ms"] > 0 for r in out["index"])
+
+
+def redis_missing() -> str | None:
+    if shutil.which("redis-server") is None:
+        return "redis-server not installed (apt-get install -y redis-server)"
+    if importlib.util.find_spec("redis") is None:
+        return "python module redis not installed (pip install 'kvtier[bench]')"
+    return None
+
+
+@pytest.mark.skipif(redis_missing() is not None, reason=str(redis_missing()))
+def test_bench_redis_compares_both_ops():
+    out = json.loads(script("bench_redis.py", "--block-sizes", "32KiB", "--batch", "4", "--clients", "1",
+                            "--duration", "0.1", "--slices", "1", "--pool-size", "32MiB", "--json"))
+    assert [(r["op"], r["batch"], r["clients"]) for r in out["rows"]] == [("store", 4, 1), ("load", 4, 1)]
+    for r in out["rows"]:
+        assert r["kvtier_gbps"] > 0 and r["redis_gbps"] > 0
+        assert r["kvtier_vs_redis"] == pytest.approx(r["kvtier_gbps"] / r["redis_gbps"])
+    assert out["redis_server"].startswith("Redis server")
+
+
+def test_bench_redis_skips_cleanly_without_a_server():
+    out = script("bench_redis.py", "--redis-server", "/nonexistent/redis-server")
+    assert out.startswith("bench_redis: skipped: redis-server not found")
+
+
+TINY_DEMO = ["--doc-tokens", "200", "--question-tokens", "8", "--dim", "64", "--new-tokens", "4",
+             "--questions-a", "1", "--questions-b", "2"]
+
+
+def test_demo_engine_b_hits_and_reproduces_the_reference_exactly(daemon):
+    # Against a running daemon (--socket): the blocks it keeps afterwards are A's and B's stores.
+    out = json.loads(run(["-m", "kvtier.cli", "demo", "--socket", daemon.socket, *TINY_DEMO, "--json"]).stdout)
+    assert out["identical_tokens"] and out["identical_logits"] and out["identical_kv"]
+    doc_blocks = 200 // 16
+    assert [r["hit_blocks"] for r in out["engine_b"]] == [doc_blocks, doc_blocks]
+    assert all(r["max_logit_diff"] == 0.0 and r["prefilled_tokens"] == 208 - 16 * doc_blocks
+               for r in out["engine_b"])
+    assert out["engine_a"][0]["hit_blocks"] == 0 and out["engine_a"][0]["stored_blocks"] == 13
+    ns = daemon.stats()["namespaces"][0]
+    # A stored 13 blocks; each B question adds its one block past the document.
+    assert ns["blocks"] == 13 + 2 and ns["loaded"] == 2 * doc_blocks
+    assert out["bytes_loaded"] == 2 * doc_blocks * out["block_bytes"]
+
+
+def test_demo_script_starts_its_own_daemon_and_prints_the_summary():
+    out = script("demo.py", *TINY_DEMO)
+    assert "identical tokens True, identical logits True, identical document KV True" in out
+    assert "hit rate" in out and "TTFT median" in out
