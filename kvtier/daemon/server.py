@@ -144,7 +144,7 @@ class Daemon(Handlers, StatsMixin):
         poller.register(self._sig_r, zmq.POLLIN)
         if ready:
             ready()
-        next_reap = time.monotonic()
+        next_reap = next_sweep = time.monotonic()
         try:
             while not self._stop:
                 timeout = max(0.0, next_reap - time.monotonic())
@@ -156,6 +156,11 @@ class Daemon(Handlers, StatsMixin):
                 if time.monotonic() >= next_reap:
                     self.reap_dead()
                     next_reap = time.monotonic() + self.config.reap_interval_s
+                if time.monotonic() >= next_sweep:
+                    # KV segments of workers that died before HELLO or after BYE (or exited
+                    # without closing their cache): no reap ever unlinks those.
+                    cleanup_stale(KV_PREFIX)
+                    next_sweep = time.monotonic() + max(10 * self.config.reap_interval_s, 1.0)
                 self._publish_events()
         finally:
             self.shutdown()
