@@ -236,6 +236,7 @@ def main(argv=None) -> int:
         "rss_growth_mib": round((rss["end"] - rss.get("warm", rss["start"])) / MiB, 1),
         "daemon_exit": rc, "pool_segment_left": os.path.exists(f"/dev/shm/kvtier-pool.{daemon.pid}"),
         "daemon_log": log, "swept_segments": open(log).read().count("removed stale shared memory segment"),
+        "silent_reaps": open(log).read().count("reaped (silent"),  # dead workers must go by pid
     }
     problems = verdict(summary)
     summary["ok"], summary["problems"] = not problems, problems
@@ -247,7 +248,9 @@ def verdict(s: dict) -> list[str]:
     checks = {
         "byte mismatches": s["mismatches"] == 0, "failed restores": s["restore_failed"] == 0,
         "worker failures": not s["worker_failures"], "integrity": s["integrity"] == "ok",
-        "clients left": s["clients_left"] == 0, "swap left": s["swap_bytes"] == s["swap_requests"] == 0,
+        "clients left": s["clients_left"] == 0,
+        "reaped by heartbeat, not pid": s["reap_wait_s"] < 5.0 and s["silent_reaps"] == 0,
+        "swap left": s["swap_bytes"] == s["swap_requests"] == 0,
         "pool holds more than prefix blocks": (s["pool_used_bytes"] == s["prefix_bytes"]
                                                and not s["writing_blocks"]),
         "pool not empty after flush": s["used_after_flush"] == 0, "leaked segments": s["leaks"] == 0,
@@ -268,7 +271,7 @@ def render(s: dict) -> str:
         f"{s['mismatches']}, load blocks failed (evicted) {s['load_failed']}, "
         f"store no-space {s['store_no_space']}, offloads refused {s['offload_refused']}, "
         f"restores failed {s['restore_failed']}",
-        f"  end: reaped in {s['reap_wait_s']} s, clients left {s['clients_left']}, integrity {s['integrity']}, "
+        f"  end: reaped in {s['reap_wait_s']} s ({s['silent_reaps']} reaped by heartbeat), clients left {s['clients_left']}, integrity {s['integrity']}, "
         f"swap {s['swap_bytes']} B, pool used {s['pool_used_bytes']} B = prefix {s['prefix_bytes']} B, "
         f"after flush {s['used_after_flush']} B, evictions {s['evictions']}",
         f"  leaks {s['leaks']} {s['leaked_segments'] or ''}(segments of exited workers swept by the "
