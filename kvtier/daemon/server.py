@@ -191,7 +191,7 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         poller.register(self._sig_r, zmq.POLLIN)
         if ready:
             ready()
-        next_reap = time.monotonic()
+        next_reap = next_sweep = time.monotonic()
         try:
             while not self._stop:
                 timeout = min(max(0.0, next_reap - time.monotonic()), self.housekeeping())
@@ -204,6 +204,11 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
                     if time.monotonic() >= next_reap:
                         next_reap = time.monotonic() + self.config.reap_interval_s
                         self.reap_dead()
+                    if time.monotonic() >= next_sweep:
+                        # KV segments of workers that died before HELLO or after BYE (or exited
+                        # without closing their cache): no reap ever unlinks those.
+                        next_sweep = time.monotonic() + max(10 * self.config.reap_interval_s, 1.0)
+                        cleanup_stale(KV_PREFIX)
                     self._publish_events()
                 except Exception:  # a bug must not take every engine's cache down with it
                     log.exception("internal error in the daemon loop; continuing")

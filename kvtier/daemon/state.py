@@ -44,7 +44,9 @@ class ClientState:
 
     def process_alive(self) -> bool:
         if self.start_time is None:
-            return True  # heartbeat decides
+            # Remote clients (pid <= 0): the heartbeat decides. A local pid that was
+            # already gone at HELLO (killed with its HELLO in flight) is dead now.
+            return self.pid <= 0 or psutil.pid_exists(self.pid)
         try:
             p = psutil.Process(self.pid)
             return p.create_time() == self.start_time and p.status() != psutil.STATUS_ZOMBIE

@@ -41,7 +41,7 @@ class ShmSegment:
 
     def __init__(self, name: str, size: int = 0, *, create: bool = False, mode: int = 0o600,
                  populate: bool = True, group: int | None = None):
-        self.name = name if name.startswith("/") else "/" + name
+        self.name = _checked(name)
         self.owner = create
         self._mmap: mmap.mmap | None = None
         try:
@@ -121,11 +121,18 @@ def _reserve(fd: int, size: int, name: str) -> None:
             raise
 
 
+def _checked(name: str) -> str:
+    # posix_ipc 1.x segfaults on a name with a NUL byte; names come from clients.
+    if "\x00" in name:
+        raise SegmentError(f"shared memory name {name!r} contains a NUL byte")
+    return name if name.startswith("/") else "/" + name
+
+
 def unlink_segment(name: str) -> bool:
     try:
-        posix_ipc.unlink_shared_memory(name if name.startswith("/") else "/" + name)
+        posix_ipc.unlink_shared_memory(_checked(name))
         return True
-    except posix_ipc.ExistentialError:
+    except (posix_ipc.ExistentialError, SegmentError):  # no segment can have that name
         return False
 
 

@@ -50,6 +50,8 @@ class KVLayout:
             raise ValueError(f"tensors disagree on the number of blocks: {sorted(nblocks)}")
         self.moved = moved
         self.num_blocks = nblocks.pop()
+        if self.num_blocks == 0:  # nothing to copy, and m[0] below would raise IndexError
+            raise ValueError("the KV tensors hold no blocks")
         self.block_factor = block_factor
         self.sub_bytes = [m[0].numel() * m.element_size() for m in moved]
         self.engine_block_bytes = sum(self.sub_bytes)
