@@ -208,15 +208,23 @@ class BlockIndex:
     def _evict_for(self, cls: int) -> bool:
         """Evict the oldest evictable entry of ``cls``, or a whole slab of another
         class when the oldest evictable entry lives in one (frees a slab for us)."""
+        # Slabs found holding swap, in-flight or pinned blocks: nothing changes
+        # during the walk, so each is scanned once, not once per entry in it
+        # (a swap slot in every slab made one allocation O(entries x slots per slab)).
+        blocked: set[int] = set()
         for e in self.policy.candidates():
             if e.pins:
                 continue
             if e.ns.cls == cls:
                 victims = [e]
                 break
-            victims = self._slab_victims(self.alloc_.slab_of(e.offset))
+            slab = self.alloc_.slab_of(e.offset)
+            if slab in blocked:
+                continue
+            victims = self._slab_victims(slab)
             if victims:
                 break
+            blocked.add(slab)
         else:
             return False
         for v in victims:
