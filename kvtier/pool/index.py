@@ -48,9 +48,10 @@ class Namespace:
     cls: int
     entries: dict = field(default_factory=dict)
     stats: Counter = field(default_factory=Counter)
+    ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
 
     def ready_blocks(self) -> int:
-        return sum(1 for e in self.entries.values() if e.state == READY)
+        return self.ready
 
 
 @dataclass(eq=False)
@@ -150,6 +151,7 @@ class BlockIndex:
             else:
                 e.state = READY
                 committed.append(e)
+        plan.ns.ready += len(committed)
         for e in reversed(committed):  # head of the chain ends most recent
             self.policy.insert(e)
         if self.record_events:
@@ -250,6 +252,8 @@ class BlockIndex:
         if removed and self.record_events:  # only READY blocks were ever announced
             self._events.append(("removed", e.ns.fingerprint, e.key))
         self.policy.remove(e)
+        if e.state == READY:
+            e.ns.ready -= 1
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)
@@ -286,5 +290,7 @@ class BlockIndex:
         for n in self.namespaces.values():
             if any(e.ns is not n or e.offset not in self.by_offset for e in n.entries.values()):
                 problems.append(f"namespace {n.fingerprint}: entry links broken")
+            if n.ready != sum(e.state == READY for e in n.entries.values()):
+                problems.append(f"namespace {n.fingerprint}: ready count {n.ready} is wrong")
         if problems:
             raise IntegrityError(f"{problems}; counters={c}")
