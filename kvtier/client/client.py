@@ -236,6 +236,9 @@ class Client:
                 self._call(msg)
             except DaemonUnavailable as exc:
                 self._lose_session(str(exc))
+            except KVTierError as exc:
+                if exc.code != SESSION_LOST:  # forgotten by the daemon: the swap went with it
+                    raise
 
     # ---- management --------------------------------------------------------------------
     def stats(self, check: bool = False) -> dict:
@@ -339,7 +342,9 @@ class Client:
                 return
             rid, reply = decode(frame, 1 << 30)
             if isinstance(reply, m.Error) and reply.code == SESSION_LOST:
-                self._healthy = False  # the daemon forgot us (restart, reaped): reconnect
+                # The daemon forgot us (restart, reaped): it will answer nothing
+                # else in flight, so fail those now and let the heartbeat reconnect.
+                self._lose_session("the daemon no longer knows this client")
             if rid in self._waiting:
                 self._replies[rid] = reply
 
