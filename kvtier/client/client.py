@@ -31,7 +31,7 @@ from ..protocol import messages as m
 from ..protocol.arrays import pack_hashes, pack_ids
 from ..protocol.codec import decode, encode
 from ..protocol.endpoints import default_socket, endpoint
-from ..protocol.errors import ErrorCode
+from ..protocol.errors import ErrorCode, ProtocolError
 from .errors import DaemonUnavailable, KVTierError
 from .handles import TransferHandle, failed_all
 from .namespace import Namespace
@@ -340,7 +340,11 @@ class Client:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            rid, reply = decode(frame, 1 << 30)
+            try:
+                rid, reply = decode(frame, 1 << 30)
+            except ProtocolError as exc:  # never the engine's problem: its caller times out
+                log.warning("kvtier: dropped an undecodable reply from the daemon: %s", exc)
+                continue
             if isinstance(reply, m.Error) and reply.code == SESSION_LOST:
                 # The daemon forgot us (restart, reaped): it will answer nothing
                 # else in flight, so fail those now and let the heartbeat reconnect.
@@ -355,16 +359,23 @@ class Client:
 
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.heartbeat_s):
-            if self._healthy:
-                try:
-                    self._call(m.Ping(), timeout=max(2 * self.heartbeat_s, 1.0))
-                except DaemonUnavailable as exc:
-                    self._lose_session(str(exc))
-                except KVTierError as exc:
-                    if exc.code == SESSION_LOST:
-                        self._lose_session("the daemon no longer knows this client")
-            else:
-                self._reconnect()
+            try:
+                self._beat()
+            except Exception:  # if this thread died the client would never reconnect
+                log.exception("kvtier: heartbeat failed; trying again next period")
+
+    def _beat(self) -> None:
+        """Ping while healthy, reconnect while not."""
+        if not self._healthy:
+            self._reconnect()
+            return
+        try:
+            self._call(m.Ping(), timeout=max(2 * self.heartbeat_s, 1.0))
+        except DaemonUnavailable as exc:
+            self._lose_session(str(exc))
+        except KVTierError as exc:
+            if exc.code == SESSION_LOST:
+                self._lose_session("the daemon no longer knows this client")
 
     def _reconnect(self) -> None:
         try:

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
+import zmq
+
+from kvtier.client import Client
+from kvtier.protocol import decode, encode
+from kvtier.protocol import messages as m
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
 
@@ -35,3 +41,55 @@ def test_forgotten_client_fails_inflight_transfers_at_once(daemon_factory):
     finally:
         c.close()
         kv.close()
+
+
+class GarblingDaemon:
+    """A peer that speaks the protocol but answers the first ``ping`` with a
+    frame that is not msgpack: what a version skew or a daemon bug looks like
+    from the client. A real ROUTER socket and the real codec, in a thread."""
+
+    def __init__(self, path: str):
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("ipc://" + path)
+        self.hellos = 0
+        self._garbled = False
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            identity, frame = self.router.recv_multipart()
+            rid, msg = decode(frame)
+            if isinstance(msg, m.Hello):
+                self.hellos += 1
+                reply = encode(m.Welcome(m.PROTOCOL_VERSION, self.hellos, 0.2, m.MAX_MESSAGE_BYTES), rid)
+            elif isinstance(msg, m.Ping) and not self._garbled:
+                self._garbled = True
+                reply = b"\xc1 not msgpack"
+            else:
+                reply = encode(m.Ok(), rid)
+            self.router.send_multipart([identity, reply])
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.router.close(0)
+        self.ctx.term()
+
+
+def test_undecodable_reply_neither_raises_nor_stops_the_heartbeat(tmp_path):
+    peer = GarblingDaemon(str(tmp_path / "garble.sock"))
+    c = Client(str(tmp_path / "garble.sock"), name="engine", timeout=1.0)
+    try:
+        # The garbled ping reply is dropped, the ping times out, the session is
+        # marked lost and the heartbeat thread reconnects (HELLO again).
+        assert wait_for(lambda: c.reconnects == 1 and c.connected, 10)
+        assert peer.hellos == 2 and c._hb.is_alive()
+    finally:
+        c.close()
+        peer.close()
