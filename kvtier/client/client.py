@@ -151,12 +151,16 @@ class Client:
         fp = namespace.fingerprint() if isinstance(namespace, Namespace) else namespace
         args = (fp, kv.specs(list(block_dims)), block_factor, swap_quota)
         self.kv, self.block_factor = kv, block_factor
-        if not self._healthy:
-            self._register_args = args
-            return None
-        self._reg = self._call(m.Register(*args))
+        if self._healthy:
+            try:
+                self._reg = self._call(m.Register(*args))
+            except DaemonUnavailable as exc:  # gone since the last heartbeat: replay later
+                self._lose_session(str(exc))
+            except KVTierError as exc:
+                if exc.code != SESSION_LOST:
+                    raise  # refused (bad spec, namespace clash): nothing to replay
         self._register_args = args
-        return self._reg
+        return self._reg if self._healthy else None
 
     def _reg_id(self) -> int:
         if self._register_args is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -93,3 +94,26 @@ def test_undecodable_reply_neither_raises_nor_stops_the_heartbeat(tmp_path):
     finally:
         c.close()
         peer.close()
+
+
+def test_register_while_the_daemon_is_gone_is_replayed_later(daemon_factory):
+    # Heartbeats 3 s apart: the daemon dies before the client has noticed.
+    slow = {"KVTIER_HEARTBEAT_S": "3", "KVTIER_REAP_AFTER_S": "10"}
+    first = daemon_factory(env=slow)
+    kv = make_kv(seed=4)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    c = first.client(name="engine", timeout=2.0)
+    try:
+        first.stop(signal.SIGKILL)
+        # Still believed healthy, so the registration is sent and finds no
+        # daemon: the engine gets None (degraded), not an exception ...
+        assert c.register_kv_cache(kv, [0] * 4, NS) is None
+        assert c.lookup(hashes) == 0
+        # ... and once a daemon is back the heartbeat replays it.
+        daemon_factory(socket=first.socket, env=slow)
+        assert wait_for(lambda: c.connected, 15)
+        assert c.store(hashes, [0, 1, 2, 3]).wait().ok
+        assert c.lookup(hashes) == 4
+    finally:
+        c.close()
+        kv.close()
