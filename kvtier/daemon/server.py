@@ -194,7 +194,7 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         next_reap = time.monotonic()
         try:
             while not self._stop:
-                timeout = min(max(0.0, next_reap - time.monotonic()), self.housekeeping())
+                timeout = min(max(0.0, next_reap - time.monotonic()), self._housekeeping())
                 events = dict(poller.poll(timeout * 1000))
                 try:
                     if self.router in events:
@@ -210,6 +210,14 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
                     self.errors[ErrorCode.INTERNAL.name] += 1
         finally:
             self.shutdown()
+
+    def _housekeeping(self) -> float:
+        try:
+            return self.housekeeping()
+        except Exception:  # a failed reload or stats snapshot must not stop the cache either
+            log.exception("internal error in housekeeping; continuing")
+            self.errors[ErrorCode.INTERNAL.name] += 1
+            return 1.0
 
     def _read_requests(self) -> None:
         for _ in range(256):  # bounded batch so completions and reaping stay timely
