@@ -75,6 +75,7 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size),
                                 POLICIES[config.policy]())
         self.index.record_events = bool(config.events)
+        self.event_seq = 0  # last block-event message number published
         self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
         self.gpu = self._start_gpu()
@@ -414,7 +415,6 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         events = self.index.take_events()
         if not events or self.pub is None:
             return
-        self.event_seq = getattr(self, "event_seq", 0)
         by_ns: dict[str, list] = {}
         for kind, ns, key in events:
             by_ns.setdefault(ns, []).append((kind, key))
