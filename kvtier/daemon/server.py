@@ -324,21 +324,24 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         self.observe_op(op)
         op.client.ops.discard(op)
         op.reg.inflight -= 1
-        if error is not None:
-            log.error("copy for client %d (%s) failed: %s", op.client.id, op.kind, error)
-            self.errors["COPY_FAILED"] += 1
-        self.crcs.update(op.crcs)
-        if op.bad:
-            log.error("checksum mismatch on %d blocks loaded by client %d: dropping them", len(op.bad), op.client.id)
-            self.errors["CHECKSUM"] += len(op.bad)
-        failed = self.complete_plan(op, error is not None)
-        self.counters[op.kind + "_bytes"] += 0 if error else op.nbytes
-        self.counters[op.kind + "s"] += 1
-        if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:
-            self._send(op.client.identity, op.request_id, op.extra(failed))
-        op.extra = None  # the reply builder may refer back to the op
-        if op.reg.closing and op.reg.inflight == 0:
-            self._release(op.reg)
+        try:
+            if error is not None:
+                log.error("copy for client %d (%s) failed: %s", op.client.id, op.kind, error)
+                self.errors["COPY_FAILED"] += 1
+            self.crcs.update(op.crcs)
+            if op.bad:
+                log.error("checksum mismatch on %d blocks loaded by client %d: dropping them",
+                          len(op.bad), op.client.id)
+                self.errors["CHECKSUM"] += len(op.bad)
+            failed = self.complete_plan(op, error is not None)
+            self.counters[op.kind + "_bytes"] += 0 if error else op.nbytes
+            self.counters[op.kind + "s"] += 1
+            if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:
+                self._send(op.client.identity, op.request_id, op.extra(failed))
+        finally:  # even after a bug above: a closed registration's mappings must go
+            op.extra = None  # the reply builder may refer back to the op
+            if op.reg.closing and op.reg.inflight == 0:
+                self._release(op.reg)
 
     def complete_plan(self, op: Op, error: bool) -> list[int]:
         plan = op.plan
