@@ -134,6 +134,12 @@ class Client:
                 pass
         with self._lock:
             self._close_socket()
+            # BYE made the daemon drop whatever was in flight: fail it now
+            # rather than when each handle's transfer_timeout runs out.
+            closed = m.Error(int(SESSION_LOST), "client closed", "client")
+            for rid in self._waiting:
+                self._replies.setdefault(rid, closed)
+        self._healthy = False
 
     def __enter__(self):
         return self

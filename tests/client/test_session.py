@@ -117,3 +117,21 @@ def test_register_while_the_daemon_is_gone_is_replayed_later(daemon_factory):
     finally:
         c.close()
         kv.close()
+
+
+def test_close_fails_transfers_still_in_flight(daemon_factory):
+    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "3"})
+    kv = make_kv(seed=5)
+    c = d.client(name="closing")
+    try:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        h = c.store([bytes([i]) * 16 for i in range(2)], [0, 1])
+        c.close()  # BYE: the daemon abandons the store and never answers it
+        t = time.monotonic()
+        r = h.wait()
+        assert time.monotonic() - t < 1.0  # not transfer_timeout (60 s)
+        assert r.failed == (0, 1) and "client closed" in r.error
+        assert not c.connected
+    finally:
+        c.close()
+        kv.close()
