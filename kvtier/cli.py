@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except DaemonUnavailable as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 3
+    except KVTierError as exc:  # HELLO refused: token, protocol version
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 1
     try:
         with client:
             if args.command == "status":

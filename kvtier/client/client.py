@@ -31,7 +31,7 @@ from ..protocol import messages as m
 from ..protocol.arrays import pack_hashes, pack_ids
 from ..protocol.codec import decode, encode
 from ..protocol.endpoints import default_socket, endpoint
-from ..protocol.errors import ErrorCode
+from ..protocol.errors import ErrorCode, ProtocolError
 from .errors import DaemonUnavailable, KVTierError
 from .handles import TransferHandle, failed_all
 from .namespace import Namespace
@@ -134,6 +134,12 @@ class Client:
                 pass
         with self._lock:
             self._close_socket()
+            # BYE made the daemon drop whatever was in flight: fail it now
+            # rather than when each handle's transfer_timeout runs out.
+            closed = m.Error(int(SESSION_LOST), "client closed", "client")
+            for rid in self._waiting:
+                self._replies.setdefault(rid, closed)
+        self._healthy = False
 
     def __enter__(self):
         return self
@@ -151,12 +157,16 @@ class Client:
         fp = namespace.fingerprint() if isinstance(namespace, Namespace) else namespace
         args = (fp, kv.specs(list(block_dims)), block_factor, swap_quota)
         self.kv, self.block_factor = kv, block_factor
-        if not self._healthy:
-            self._register_args = args
-            return None
-        self._reg = self._call(m.Register(*args))
+        if self._healthy:
+            try:
+                self._reg = self._call(m.Register(*args))
+            except DaemonUnavailable as exc:  # gone since the last heartbeat: replay later
+                self._lose_session(str(exc))
+            except KVTierError as exc:
+                if exc.code != SESSION_LOST:
+                    raise  # refused (bad spec, namespace clash): nothing to replay
         self._register_args = args
-        return self._reg
+        return self._reg if self._healthy else None
 
     def _reg_id(self) -> int:
         if self._register_args is None:
@@ -236,6 +246,9 @@ class Client:
                 self._call(msg)
             except DaemonUnavailable as exc:
                 self._lose_session(str(exc))
+            except KVTierError as exc:
+                if exc.code != SESSION_LOST:  # forgotten by the daemon: the swap went with it
+                    raise
 
     # ---- management --------------------------------------------------------------------
     def stats(self, check: bool = False) -> dict:
@@ -337,9 +350,15 @@ class Client:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            rid, reply = decode(frame, 1 << 30)
+            try:
+                rid, reply = decode(frame, 1 << 30)
+            except ProtocolError as exc:  # never the engine's problem: its caller times out
+                log.warning("kvtier: dropped an undecodable reply from the daemon: %s", exc)
+                continue
             if isinstance(reply, m.Error) and reply.code == SESSION_LOST:
-                self._healthy = False  # the daemon forgot us (restart, reaped): reconnect
+                # The daemon forgot us (restart, reaped): it will answer nothing
+                # else in flight, so fail those now and let the heartbeat reconnect.
+                self._lose_session("the daemon no longer knows this client")
             if rid in self._waiting:
                 self._replies[rid] = reply
 
@@ -350,16 +369,23 @@ class Client:
 
     def _heartbeat(self) -> None:
         while not self._hb_stop.wait(self.heartbeat_s):
-            if self._healthy:
-                try:
-                    self._call(m.Ping(), timeout=max(2 * self.heartbeat_s, 1.0))
-                except DaemonUnavailable as exc:
-                    self._lose_session(str(exc))
-                except KVTierError as exc:
-                    if exc.code == SESSION_LOST:
-                        self._lose_session("the daemon no longer knows this client")
-            else:
-                self._reconnect()
+            try:
+                self._beat()
+            except Exception:  # if this thread died the client would never reconnect
+                log.exception("kvtier: heartbeat failed; trying again next period")
+
+    def _beat(self) -> None:
+        """Ping while healthy, reconnect while not."""
+        if not self._healthy:
+            self._reconnect()
+            return
+        try:
+            self._call(m.Ping(), timeout=max(2 * self.heartbeat_s, 1.0))
+        except DaemonUnavailable as exc:
+            self._lose_session(str(exc))
+        except KVTierError as exc:
+            if exc.code == SESSION_LOST:
+                self._lose_session("the daemon no longer knows this client")
 
     def _reconnect(self) -> None:
         try:

@@ -18,7 +18,8 @@ from ..protocol.endpoints import default_socket
 from ..protocol.messages import MAX_MESSAGE_BYTES
 
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
-SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "swap_max", "pin_chunk"}
+SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "pin_chunk"}
+MAX_PERIOD_S = 86400.0  # the poll loop turns these into timeouts: inf or 1e300 would crash it
 GPU_MODES = ("auto", "on", "off")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
 
@@ -72,8 +73,8 @@ class DaemonConfig:
         if self.policy not in POLICIES:
             bad("policy", f"must be one of {sorted(POLICIES)}")
         for key in ("heartbeat_s", "reap_after_s", "reap_interval_s"):
-            if not getattr(self, key) > 0:
-                bad(key, "must be > 0")
+            if not 0 < getattr(self, key) <= MAX_PERIOD_S:
+                bad(key, f"must be > 0 and at most {MAX_PERIOD_S:.0f} seconds")
         if self.reap_after_s <= self.heartbeat_s:
             bad("reap_after_s", "must exceed heartbeat_s")
         if not 1 <= self.copy_threads <= 64:
@@ -149,6 +150,8 @@ def load_config(path: str | None = None, env: dict | None = None, flags: dict | 
                 raw = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"config file {file}: {exc}") from None
+        except RecursionError:  # tomllib recurses per nesting level; at SIGHUP this would kill the loop
+            raise ValueError(f"config file {file}: nested too deeply") from None
         for key, value in raw.items():
             values[key] = _coerce(key, value, file)
     env = os.environ if env is None else env

@@ -60,8 +60,8 @@ class SnapshotCollector:
         pool = s["pool"]
         for key, name, doc in POOL_GAUGES:
             yield GaugeMetricFamily("kvtier_" + name, doc, value=pool[key])
-        swap = pool.get("swap_bytes", sum(c.get("swap_bytes", 0) for c in s["clients"]))
-        yield GaugeMetricFamily("kvtier_swap_bytes", "Bytes held for swapped-out requests.", value=swap)
+        yield GaugeMetricFamily("kvtier_swap_bytes", "Bytes held for swapped-out requests.",
+                                value=s["swap"]["bytes"])
         yield GaugeMetricFamily("kvtier_clients", "Connected clients.", value=len(s["clients"]))
         yield GaugeMetricFamily("kvtier_uptime_seconds", "Seconds since the daemon started.",
                                 value=s["uptime_s"])

@@ -75,6 +75,7 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size),
                                 POLICIES[config.policy]())
         self.index.record_events = bool(config.events)
+        self.event_seq = 0  # last block-event message number published
         self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
         self.gpu = self._start_gpu()
@@ -194,7 +195,7 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         next_reap = next_sweep = time.monotonic()
         try:
             while not self._stop:
-                timeout = min(max(0.0, next_reap - time.monotonic()), self.housekeeping())
+                timeout = min(max(0.0, next_reap - time.monotonic()), self._housekeeping())
                 events = dict(poller.poll(timeout * 1000))
                 try:
                     if self.router in events:
@@ -215,6 +216,14 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
                     self.errors[ErrorCode.INTERNAL.name] += 1
         finally:
             self.shutdown()
+
+    def _housekeeping(self) -> float:
+        try:
+            return self.housekeeping()
+        except Exception:  # a failed reload or stats snapshot must not stop the cache either
+            log.exception("internal error in housekeeping; continuing")
+            self.errors[ErrorCode.INTERNAL.name] += 1
+            return 1.0
 
     def _read_requests(self) -> None:
         for _ in range(256):  # bounded batch so completions and reaping stay timely
@@ -320,21 +329,24 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         self.observe_op(op)
         op.client.ops.discard(op)
         op.reg.inflight -= 1
-        if error is not None:
-            log.error("copy for client %d (%s) failed: %s", op.client.id, op.kind, error)
-            self.errors["COPY_FAILED"] += 1
-        self.crcs.update(op.crcs)
-        if op.bad:
-            log.error("checksum mismatch on %d blocks loaded by client %d: dropping them", len(op.bad), op.client.id)
-            self.errors["CHECKSUM"] += len(op.bad)
-        failed = self.complete_plan(op, error is not None)
-        self.counters[op.kind + "_bytes"] += 0 if error else op.nbytes
-        self.counters[op.kind + "s"] += 1
-        if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:
-            self._send(op.client.identity, op.request_id, op.extra(failed))
-        op.extra = None  # the reply builder may refer back to the op
-        if op.reg.closing and op.reg.inflight == 0:
-            self._release(op.reg)
+        try:
+            if error is not None:
+                log.error("copy for client %d (%s) failed: %s", op.client.id, op.kind, error)
+                self.errors["COPY_FAILED"] += 1
+            self.crcs.update(op.crcs)
+            if op.bad:
+                log.error("checksum mismatch on %d blocks loaded by client %d: dropping them",
+                          len(op.bad), op.client.id)
+                self.errors["CHECKSUM"] += len(op.bad)
+            failed = self.complete_plan(op, error is not None)
+            self.counters[op.kind + "_bytes"] += 0 if error else op.nbytes
+            self.counters[op.kind + "s"] += 1
+            if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:
+                self._send(op.client.identity, op.request_id, op.extra(failed))
+        finally:  # even after a bug above: a closed registration's mappings must go
+            op.extra = None  # the reply builder may refer back to the op
+            if op.reg.closing and op.reg.inflight == 0:
+                self._release(op.reg)
 
     def complete_plan(self, op: Op, error: bool) -> list[int]:
         plan = op.plan
@@ -411,7 +423,6 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
         events = self.index.take_events()
         if not events or self.pub is None:
             return
-        self.event_seq = getattr(self, "event_seq", 0)
         by_ns: dict[str, list] = {}
         for kind, ns, key in events:
             by_ns.setdefault(ns, []).append((kind, key))

@@ -9,7 +9,7 @@ import os
 import time
 
 from ..protocol.messages import PROTOCOL_VERSION
-from ..pool.index import READY, STAT_KEYS
+from ..pool.index import STAT_KEYS
 
 
 class StatsMixin:
@@ -42,8 +42,7 @@ class StatsMixin:
                      "free_bytes": alloc.free_bytes, "waste_bytes": alloc.waste_bytes,
                      "slab_bytes": alloc.slab_bytes, "slabs": len(alloc.slabs),
                      "free_slabs": len(alloc.free_slabs),
-                     "blocks": sum(1 for n in self.index.namespaces.values()
-                                   for e in n.entries.values() if e.state == READY),
+                     "blocks": sum(n["blocks"] for n in namespaces),
                      "evictions": self.index.evictions, "policy": self.config.policy,
                      **self._pin_stats()},
             "swap": {"bytes": self.swap.total_bytes, "max_bytes": self.swap.max_bytes,

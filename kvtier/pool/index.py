@@ -48,9 +48,10 @@ class Namespace:
     cls: int
     entries: dict = field(default_factory=dict)
     stats: Counter = field(default_factory=Counter)
+    ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
 
     def ready_blocks(self) -> int:
-        return sum(1 for e in self.entries.values() if e.state == READY)
+        return self.ready
 
 
 @dataclass(eq=False)
@@ -150,6 +151,7 @@ class BlockIndex:
             else:
                 e.state = READY
                 committed.append(e)
+        plan.ns.ready += len(committed)
         for e in reversed(committed):  # head of the chain ends most recent
             self.policy.insert(e)
         if self.record_events:
@@ -208,15 +210,23 @@ class BlockIndex:
     def _evict_for(self, cls: int) -> bool:
         """Evict the oldest evictable entry of ``cls``, or a whole slab of another
         class when the oldest evictable entry lives in one (frees a slab for us)."""
+        # Slabs found holding swap, in-flight or pinned blocks: nothing changes
+        # during the walk, so each is scanned once, not once per entry in it
+        # (a swap slot in every slab made one allocation O(entries x slots per slab)).
+        blocked: set[int] = set()
         for e in self.policy.candidates():
             if e.pins:
                 continue
             if e.ns.cls == cls:
                 victims = [e]
                 break
-            victims = self._slab_victims(self.alloc_.slab_of(e.offset))
+            slab = self.alloc_.slab_of(e.offset)
+            if slab in blocked:
+                continue
+            victims = self._slab_victims(slab)
             if victims:
                 break
+            blocked.add(slab)
         else:
             return False
         for v in victims:
@@ -242,6 +252,8 @@ class BlockIndex:
         if removed and self.record_events:  # only READY blocks were ever announced
             self._events.append(("removed", e.ns.fingerprint, e.key))
         self.policy.remove(e)
+        if e.state == READY:
+            e.ns.ready -= 1
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)
@@ -278,5 +290,7 @@ class BlockIndex:
         for n in self.namespaces.values():
             if any(e.ns is not n or e.offset not in self.by_offset for e in n.entries.values()):
                 problems.append(f"namespace {n.fingerprint}: entry links broken")
+            if n.ready != sum(e.state == READY for e in n.entries.values()):
+                problems.append(f"namespace {n.fingerprint}: ready count {n.ready} is wrong")
         if problems:
             raise IntegrityError(f"{problems}; counters={c}")

@@ -51,9 +51,7 @@ class ShmSegment:
                 shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, mode=mode, size=0)
             else:
                 shm = posix_ipc.SharedMemory(self.name)
-        except posix_ipc.ExistentialError as exc:
-            raise SegmentError(f"shared memory {self.name}: {exc}") from None
-        except PermissionError as exc:
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError) as exc:
             raise SegmentError(f"shared memory {self.name}: {exc}") from None
         try:
             if create:
@@ -129,10 +127,15 @@ def _checked(name: str) -> str:
 
 
 def unlink_segment(name: str) -> bool:
+    """True if removed; False if already gone or not ours to remove (/dev/shm
+    is sticky: a daemon running as ``kvtier`` cannot unlink an engine's segment)."""
     try:
         posix_ipc.unlink_shared_memory(_checked(name))
         return True
     except (posix_ipc.ExistentialError, SegmentError):  # no segment can have that name
+        return False
+    except posix_ipc.PermissionsError as exc:  # posix_ipc's own class, not PermissionError
+        log.warning("cannot remove shared memory segment %s: %s", name, exc)
         return False
 
 

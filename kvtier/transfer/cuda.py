@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .layout import DTYPES, dtype_name
-from .shm import SpecError, _is_int
+from .layout import dtype_name
+from .shm import SpecError, _is_int, check_geometry, extent_bytes
 
 MAX_HANDLE = 4096  # bytes; a CUDA IPC handle is 64, torch adds a little framing
 
@@ -54,20 +54,10 @@ def check_cuda_spec(spec, i: int) -> dict:
     """Validate one CUDA spec (pure: no CUDA needed); returns its fields."""
     if not isinstance(spec, dict) or spec.get("kind") != "cuda":
         raise SpecError(f"tensor {i}: expected a cuda tensor spec")
-    ipc, uuid = spec.get("ipc"), spec.get("device_uuid")
-    dtype, shape, stride = spec.get("dtype"), spec.get("shape"), spec.get("stride")
-    offset, block_dim = spec.get("storage_offset"), spec.get("block_dim")
+    ipc, uuid, offset = spec.get("ipc"), spec.get("device_uuid"), spec.get("storage_offset")
     if not isinstance(uuid, str) or not 0 < len(uuid) <= 128:
         raise SpecError(f"tensor {i}: device_uuid must be a device UUID string")
-    if dtype not in DTYPES:
-        raise SpecError(f"tensor {i}: unsupported dtype {dtype!r}")
-    for name, v in (("shape", shape), ("stride", stride)):
-        if not isinstance(v, list) or not 0 < len(v) <= 8 or not all(_is_int(x) and 0 <= x < 2**40 for x in v):
-            raise SpecError(f"tensor {i}: {name} must be a list of 1..8 non-negative ints")
-    if len(shape) != len(stride):
-        raise SpecError(f"tensor {i}: shape and stride lengths differ")
-    if not _is_int(block_dim) or not 0 <= block_dim < len(shape):
-        raise SpecError(f"tensor {i}: block_dim out of range")
+    dtype, shape, stride, block_dim = check_geometry(spec, i)
     if not _is_int(offset) or offset < 0:
         raise SpecError(f"tensor {i}: storage_offset must be an int >= 0")
     if not isinstance(ipc, dict):
@@ -80,12 +70,12 @@ def check_cuda_spec(spec, i: int) -> dict:
     for key in ("size", "offset", "ref_offset"):
         if not _is_int(ipc.get(key)) or ipc[key] < 0:
             raise SpecError(f"tensor {i}: ipc.{key} must be an int >= 0")
-    es = torch.empty((), dtype=DTYPES[dtype]).element_size()
-    extent = (sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * es if all(shape) else 0
+    es = torch.empty((), dtype=dtype).element_size()
+    extent = extent_bytes(shape, stride, es)
     if offset * es + extent > ipc["size"]:
         raise SpecError(f"tensor {i}: bytes [{offset * es}, {offset * es + extent}) outside its "
                         f"storage of {ipc['size']} bytes")
-    return {"uuid": uuid, "dtype": DTYPES[dtype], "shape": shape, "stride": stride, "offset": offset,
+    return {"uuid": uuid, "dtype": dtype, "shape": shape, "stride": stride, "offset": offset,
             "block_dim": block_dim, "ipc": ipc}
 
 

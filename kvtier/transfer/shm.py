@@ -93,7 +93,7 @@ def open_specs(specs: list, max_tensors: int = 4096, gpu_uuids: list[str] | None
                     raise SpecError(f"tensor {i}: cannot open {seg_name}: {exc}") from None
             seg = segments[seg_name]
             es = torch.empty((), dtype=dtype).element_size()
-            extent = (sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * es if all(shape) else 0
+            extent = extent_bytes(shape, stride, es)
             if offset % es or offset + extent > seg.size:
                 raise SpecError(f"tensor {i}: bytes [{offset}, {offset + extent}) outside "
                                 f"segment of {seg.size} bytes or misaligned")
@@ -113,12 +113,18 @@ def open_specs(specs: list, max_tensors: int = 4096, gpu_uuids: list[str] | None
 def _check(spec, i):
     if not isinstance(spec, dict) or spec.get("kind", "shm") != "shm":
         raise SpecError(f"tensor {i}: expected a shm tensor spec")
-    seg, offset, dtype = spec.get("seg"), spec.get("offset"), spec.get("dtype")
-    shape, stride, block_dim = spec.get("shape"), spec.get("stride"), spec.get("block_dim")
+    seg, offset = spec.get("seg"), spec.get("offset")
     if not isinstance(seg, str) or not 0 < len(seg) < 256:
         raise SpecError(f"tensor {i}: seg must be a segment name")
     if not _is_int(offset) or offset < 0:
         raise SpecError(f"tensor {i}: offset must be an int >= 0")
+    return (seg, offset, *check_geometry(spec, i))
+
+
+def check_geometry(spec: dict, i: int) -> tuple[torch.dtype, list, list, int]:
+    """``(dtype, shape, stride, block_dim)`` of spec ``i``, validated; the part
+    shm and cuda specs share."""
+    dtype, shape, stride, block_dim = (spec.get(k) for k in ("dtype", "shape", "stride", "block_dim"))
     if dtype not in DTYPES:
         raise SpecError(f"tensor {i}: unsupported dtype {dtype!r}")
     for name, v in (("shape", shape), ("stride", stride)):
@@ -128,7 +134,12 @@ def _check(spec, i):
         raise SpecError(f"tensor {i}: shape and stride lengths differ")
     if not _is_int(block_dim) or not 0 <= block_dim < len(shape):
         raise SpecError(f"tensor {i}: block_dim out of range")
-    return seg, offset, DTYPES[dtype], shape, stride, block_dim
+    return DTYPES[dtype], shape, stride, block_dim
+
+
+def extent_bytes(shape: list[int], stride: list[int], elem_bytes: int) -> int:
+    """Bytes from a tensor's first element to one past its last (0 if empty)."""
+    return (sum((n - 1) * s for n, s in zip(shape, stride)) + 1) * elem_bytes if all(shape) else 0
 
 
 def _is_int(x) -> bool:

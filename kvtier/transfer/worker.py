@@ -1,7 +1,8 @@
 """Copy worker: runs block copies off the daemon's control-loop thread.
 
-Jobs run in submission order on background threads (torch releases the GIL
-during copies, so the loop keeps answering lookups). Each finished job is
+Jobs start in submission order on background threads (torch releases the
+GIL during copies, so the loop keeps answering lookups); with several threads
+they may finish in any order. Each finished job is
 queued and a byte is written to a pipe whose read end the daemon's poller
 watches, so completions wake the loop without polling.
 
@@ -78,8 +79,10 @@ class CopyWorker:
             except BaseException as exc:  # reported to the requester as failed blocks
                 error = exc
             self._done.put((token, error))
-            # Drop this job's closure now: it holds tensor views over client
-            # segments, which must not outlive the registration while we block.
+            # Drop this job's closure before reporting it done and before
+            # blocking on the next one: it holds tensor views over the client's
+            # memory (for a CUDA cache, the worker's GPU memory stays mapped),
+            # which must not outlive the registration or a drain.
             item = token = fn = error = None
             with self._idle:
                 self._pending -= 1
@@ -88,7 +91,3 @@ class CopyWorker:
                 os.write(self._wfd, b"x")
             except BlockingIOError:
                 pass  # pipe full: the loop is already due to wake
-            # Drop the finished job before blocking on the next one: its closure
-            # holds the registration's tensors, and for a CUDA cache those keep
-            # the worker's GPU memory mapped after the client is gone.
-            item = token = fn = error = None

@@ -64,3 +64,10 @@ def test_status_text_and_flush(daemon, capsys):
 def test_no_daemon_is_a_clear_error(tmp_path, capsys):
     assert main(["status", "--socket", str(tmp_path / "none.sock"), "--timeout", "0.3"]) == 3
     assert "no kvtier daemon" in capsys.readouterr().err
+
+
+def test_refused_hello_is_exit_1_not_a_traceback(daemon_factory, capsys):
+    # A daemon with a token refuses the CLI's HELLO (it sends none).
+    d = daemon_factory(env={"KVTIER_TOKEN": "s3cret"})
+    assert main(["status", "--socket", d.socket]) == 1
+    assert "UNAUTHORIZED" in capsys.readouterr().err

@@ -60,6 +60,9 @@ def test_each_level_overrides_the_previous(tmp_path, monkeypatch, capsys):
     ("", {}, ["--log-format", "xml"], "log_format"),
     ("", {}, ["--slab-size", "1000"], "slab_size"),
     ("socket_mode = 0o1777\n", {}, [], "socket_mode"),
+    ("", {"KVTIER_REAP_INTERVAL_S": "inf"}, [], "reap_interval_s"),   # the poll timeout: crashed the loop
+    ("reap_interval_s = 1e300\n", {}, [], "reap_interval_s"),
+    ("heartbeat_s = nan\n", {}, [], "heartbeat_s"),
 ])
 def test_invalid_values_exit_2_naming_the_key(tmp_path, monkeypatch, capsys, file_text, env, argv, key):
     conf = tmp_path / "kvtier.toml"
@@ -76,6 +79,15 @@ def test_unreadable_toml_exits_2(tmp_path, capsys):
     conf.write_text("pool_size = \n")
     assert main(["--config", str(conf), "--print-config"]) == 2
     assert str(conf) in capsys.readouterr().err
+
+
+def test_deeply_nested_toml_is_a_config_error(tmp_path, capsys):
+    # tomllib raises RecursionError here, which escaped both startup (a
+    # traceback, exit 1) and a SIGHUP reload (the poll loop died).
+    conf = tmp_path / "kvtier.toml"
+    conf.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert main(["--config", str(conf), "--print-config"]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
 
 
 def test_shipped_config_has_every_key_with_default_values(capsys):

@@ -84,6 +84,11 @@ def test_metrics_reflect_traffic(daemon_factory):
             assert 0 < g("kvtier_transfer_seconds_sum", ("op", op)) < 5
             assert g("kvtier_transfer_seconds_bucket", ("op", op), ("le", "+Inf")) == 1
         assert ("process_resident_memory_bytes", frozenset()) in m
+
+        # A swapped-out request of 3 engine blocks holds 3 pool blocks.
+        assert c.offload("req-1", [0, 1, 2]).wait().ok
+        m = scrape_until(port, lambda m: m[("kvtier_swap_bytes", frozenset())] > 0)
+        assert m[("kvtier_swap_bytes", frozenset())] == 3 * BLOCK
     kv.close()
 
     # The engine said BYE: the gauge follows within a snapshot period.

@@ -86,6 +86,7 @@ class Workload:
         self.apply_events()
         for ns in self.nss:
             assert self.ready[ns.fingerprint] == {k for k, e in ns.entries.items() if e.state == READY}
+            assert ns.ready_blocks() == len(self.ready[ns.fingerprint])  # kept as a counter
             assert ns.stats["stored"] == self.tally["stored", ns.fingerprint]
         # Every open plan still owns what it holds: pinned blocks are READY and
         # were not evicted or flushed; in-flight blocks are still WRITING.
@@ -131,6 +132,7 @@ def _some_entry(idx):
     lambda idx: idx.by_offset.pop(_some_entry(idx).offset),      # offset map out of step
     lambda idx: setattr(_some_entry(idx), "pins", -1),           # unpinned once too often
     lambda idx: idx.alloc_.alloc(0),                             # a block nobody accounts for
+    lambda idx: setattr(idx.namespaces["model-a"], "ready", 2),  # ready counter out of step
 ])
 def test_index_integrity_check_catches_corruption(corrupt):
     idx = make_index()

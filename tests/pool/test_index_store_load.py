@@ -196,3 +196,16 @@ def test_completing_a_store_twice_raises_and_changes_nothing():
     assert present(ns, chain("p", 2)) == [True, True]
     assert ns.stats["stored"] == 2 and idx.take_events() == []
     idx.check_integrity()
+
+
+def test_discard_drops_a_ready_unpinned_entry_only():
+    idx = make_index()
+    ns = idx.namespace("model-a", BLOCK_A)
+    keys = chain("p", 3)
+    stored(idx, ns, keys)
+    pin = idx.prepare_load(ns, keys[:1])
+    idx.discard(ns.entries[keys[0]])  # pinned: a reader is copying it out
+    idx.discard(ns.entries[keys[1]])
+    assert present(ns, keys) == [True, False, True] and ns.ready_blocks() == 2
+    idx.complete_load(pin)
+    idx.check_integrity()

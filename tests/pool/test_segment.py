@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvtier.pool import SegmentError, ShmSegment, cleanup_stale
+from kvtier.pool import SegmentError, ShmSegment, cleanup_stale, unlink_segment
 
 from .conftest import PREFIX
 
@@ -138,3 +138,33 @@ def test_close_refuses_while_a_tensor_view_lives(shm_name):
     """)
     assert child.returncode == 0, f"rc={child.returncode}: {child.stderr[-2000:]}"
     assert child.stdout.split() == ["refused", "closed", "True", "False"]
+
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_users_segment_is_refused_not_raised(shm_name):
+    # The systemd daemon runs as kvtier; engines' segments belong to their own
+    # users in the sticky /dev/shm. posix_ipc reports EACCES as its own
+    # PermissionsError, which escaped unlink_segment (reaping a dead engine
+    # then failed with INTERNAL) and ShmSegment (not a SegmentError).
+    seg = ShmSegment(shm_name, 4096, create=True, mode=0o600)
+    pid = os.fork()
+    if pid == 0:  # child: become nobody, then try to remove and to open root's segment
+        code = 1
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = 2 if unlink_segment(shm_name) is False else 3  # refused, not raised
+            try:
+                ShmSegment(shm_name)
+            except SegmentError:
+                code = 0 if code == 2 else code
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.path.exists(f"/dev/shm/{shm_name}")
+    seg.close()
+    assert not os.path.exists(f"/dev/shm/{shm_name}")
