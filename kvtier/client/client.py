@@ -168,6 +168,11 @@ class Client:
         self._register_args = args
         return self._reg if self._healthy else None
 
+    @property
+    def registration(self) -> m.Registered | None:
+        """The daemon's answer to the current registration (None while degraded)."""
+        return self._reg if self._healthy else None
+
     def _reg_id(self) -> int:
         if self._register_args is None:
             raise KVTierError(ErrorCode.UNKNOWN_NAMESPACE, "register_kv_cache first", "client")
