@@ -54,7 +54,19 @@ class Client:
         self.name = name or f"pid{os.getpid()}"
         self.timeout, self.transfer_timeout, self.token = timeout, transfer_timeout, token
         self._ids = itertools.count(1)
-        self._lock = threading.RLock()
+        # One thread at a time owns the socket (ZeroMQ sockets are not thread-safe):
+        # it sends, polls and files every reply it reads. Others queue frames in
+        # the outbox (waking the owner through a pipe) and wait on the condition
+        # for their reply, so a thread blocked on a long transfer never delays
+        # another thread's lookup.
+        self._cv = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._outbox: list[tuple[int, bytes, float]] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = None
         self._replies: dict[int, object] = {}
         self._waiting: set[int] = set()
         self._ctx = zmq.Context.instance()
@@ -88,13 +100,18 @@ class Client:
 
     def _open_session(self, wait: float) -> None:
         """New socket, HELLO, replay the registration. Raises DaemonUnavailable."""
-        with self._lock:
+        if not self._take(time.monotonic() + wait):
+            raise DaemonUnavailable("another thread holds the connection")
+        try:
             self._close_socket()
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
             sock.connect(endpoint(self.socket_path))
             self._sock = sock
+            self._poller = zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(self._wake_r, zmq.POLLIN)
             pid = 0 if self.socket_path.startswith("tcp://") else os.getpid()
             welcome = self._call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token),
                                  timeout=wait, connect_wait=wait)
@@ -103,22 +120,31 @@ class Client:
             if self._register_args is not None:
                 self._reg = self._call(m.Register(*self._register_args), timeout=wait)
             self._healthy = True
+        finally:
+            self._give()
 
     def _lose_session(self, why: str) -> None:
         """Mark the daemon gone: every waiting request resolves as failed now."""
-        with self._lock:
+        with self._cv:
             if not self._healthy:
                 return
             self._healthy = False
-            lost = m.Error(int(SESSION_LOST), f"daemon connection lost: {why}", "daemon")
-            for rid in self._waiting:
-                self._replies.setdefault(rid, lost)
+            self._fail_waiting(m.Error(int(SESSION_LOST), f"daemon connection lost: {why}", "daemon"))
         log.warning("kvtier: %s; degrading (0 hits, transfers fail) until it is back", why)
 
+    def _fail_waiting(self, reply) -> None:
+        """Resolve every request still waiting (and drop unsent ones). Under _cv."""
+        for rid in self._waiting:
+            self._replies.setdefault(rid, reply)
+        self._outbox.clear()
+        self._cv.notify_all()
+
     def _close_socket(self) -> None:
+        """Owner only."""
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+            self._poller = None
 
     def close(self) -> None:
         if self._closed:
@@ -132,14 +158,20 @@ class Client:
                 self._call(m.Bye(), timeout=min(self.timeout, 1.0))
             except KVTierError:
                 pass
-        with self._lock:
-            self._close_socket()
-            # BYE made the daemon drop whatever was in flight: fail it now
-            # rather than when each handle's transfer_timeout runs out.
-            closed = m.Error(int(SESSION_LOST), "client closed", "client")
-            for rid in self._waiting:
-                self._replies.setdefault(rid, closed)
-        self._healthy = False
+        owned = self._take(time.monotonic() + self.timeout)
+        try:
+            if owned:
+                self._close_socket()
+            with self._cv:
+                # BYE made the daemon drop whatever was in flight: fail it now
+                # rather than when each handle's transfer_timeout runs out.
+                self._fail_waiting(m.Error(int(SESSION_LOST), "client closed", "client"))
+                self._healthy = False
+        finally:
+            if owned:
+                self._give()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
 
     def __enter__(self):
         return self
@@ -304,21 +336,80 @@ class Client:
         from ..transfer.events import open_event
         return open_event(self._events, handle, device)
 
+    # The socket role: reentrant, one thread at a time.
+    def _take(self, deadline: float | None = None) -> bool:
+        """Become the socket's owner; False if another thread keeps it past ``deadline``
+        (None: do not wait at all)."""
+        me = threading.get_ident()
+        with self._cv:
+            while self._owner not in (None, me):
+                remaining = -1.0 if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+            self._owner = me
+            self._depth += 1
+            return True
+
+    def _give(self) -> None:
+        with self._cv:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cv.notify_all()  # a waiter may take over (and flush the outbox)
+
     def _send(self, msg, connect_wait: float | None = None) -> int:
+        """Send (or queue for the socket's owner) one request; returns its id.
+        Raises DaemonUnavailable when this thread sends and no daemon is there."""
         req_id = next(self._ids)
         frame = encode(msg, req_id)
         wait = min(self.timeout, 1.0) if connect_wait is None else connect_wait
-        with self._lock:
-            # IMMEDIATE: writable only while a daemon is connected. Wait a bounded
-            # time (fresh socket, daemon restarting), then report it missing.
-            if self._sock is None or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
-                raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}")
-            try:
-                self._sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}") from None
+        with self._cv:
             self._waiting.add(req_id)
+            if self._owner not in (None, threading.get_ident()):
+                self._outbox.append((req_id, frame, wait))
+                try:
+                    os.write(self._wake_w, b"x")  # the owner is in poll(): wake it to send
+                except BlockingIOError:
+                    pass  # pipe full: the owner is already due to wake
+                return req_id
+            self._owner = threading.get_ident()
+            self._depth += 1
+        try:
+            self._flush()
+            self._transmit(frame, wait)
+        except DaemonUnavailable:
+            with self._cv:
+                self._waiting.discard(req_id)
+            raise
+        finally:
+            self._give()
         return req_id
+
+    def _transmit(self, frame: bytes, wait: float) -> None:
+        """Owner only. IMMEDIATE: writable only while a daemon is connected; wait a
+        bounded time (fresh socket, daemon restarting), then report it missing."""
+        if self._sock is None or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
+            raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}")
+        try:
+            self._sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}") from None
+
+    def _flush(self) -> None:
+        """Owner only: send what other threads queued; a failure fails that request."""
+        while True:
+            with self._cv:
+                if not self._outbox:
+                    return
+                req_id, frame, wait = self._outbox.pop(0)
+            try:
+                self._transmit(frame, wait)
+            except DaemonUnavailable as exc:
+                with self._cv:
+                    if req_id in self._waiting:
+                        self._replies[req_id] = m.Error(int(SESSION_LOST), str(exc), "daemon")
+                        self._cv.notify_all()
 
     def _call(self, msg, timeout: float | None = None, connect_wait: float | None = None):
         timeout = self.timeout if timeout is None else timeout
@@ -328,28 +419,59 @@ class Client:
             self._abandon(req_id)
             raise DaemonUnavailable(f"no reply from {self.socket_path} within {timeout}s")
         if isinstance(reply, m.Error):
+            if reply.code == SESSION_LOST and "no kvtier daemon" in reply.message:
+                raise DaemonUnavailable(reply.message)  # queued by us, sent by the owner
             raise KVTierError(reply.code, reply.message, reply.side)
         return reply
 
     def _poll_reply(self, req_id: int, timeout: float):
-        """The reply for ``req_id`` if it arrives within ``timeout``, else None."""
+        """The reply for ``req_id`` if it arrives within ``timeout``, else None.
+        Pumps the socket when no other thread does; otherwise waits to be told."""
         deadline = time.monotonic() + timeout
+        me = threading.get_ident()
         while True:
-            with self._lock:
+            with self._cv:
                 if req_id in self._replies:
                     self._waiting.discard(req_id)
                     return self._replies.pop(req_id)
                 remaining = deadline - time.monotonic()
-                # Short slices so another thread's reply is never held back long.
-                if self._sock is not None and self._sock.poll(int(max(0.0, min(remaining, 0.05)) * 1000)):
-                    self._drain()
+                if self._owner not in (None, me):
+                    if remaining <= 0:
+                        return None
+                    self._cv.wait(remaining)  # the owner files replies and notifies
                     continue
+                self._owner = me
+                self._depth += 1
+            try:
+                self._pump(max(0.0, min(remaining, 0.1)))
+            finally:
+                self._give()
             if remaining <= 0:
+                with self._cv:
+                    if req_id in self._replies:
+                        self._waiting.discard(req_id)
+                        return self._replies.pop(req_id)
                 return None
-            if self._sock is None:
-                time.sleep(min(remaining, 0.05))
+
+    def _pump(self, slice_s: float) -> None:
+        """Owner only: send queued frames, wait up to ``slice_s`` for traffic, file replies."""
+        self._flush()
+        if self._poller is None:
+            time.sleep(min(slice_s, 0.05))
+            return
+        events = dict(self._poller.poll(int(slice_s * 1000)))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            self._flush()
+        if self._sock in events:
+            self._drain()
 
     def _drain(self) -> None:
+        """Owner only: read every reply available and hand each to its waiter."""
         while True:
             try:
                 frame = self._sock.recv(zmq.NOBLOCK)
@@ -364,11 +486,13 @@ class Client:
                 # The daemon forgot us (restart, reaped): it will answer nothing
                 # else in flight, so fail those now and let the heartbeat reconnect.
                 self._lose_session("the daemon no longer knows this client")
-            if rid in self._waiting:
-                self._replies[rid] = reply
+            with self._cv:
+                if rid in self._waiting:
+                    self._replies[rid] = reply
+                    self._cv.notify_all()
 
     def _abandon(self, req_id: int) -> None:
-        with self._lock:
+        with self._cv:
             self._waiting.discard(req_id)
             self._replies.pop(req_id, None)
 

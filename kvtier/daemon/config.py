@@ -18,7 +18,7 @@ from ..protocol.endpoints import default_socket
 from ..protocol.messages import MAX_MESSAGE_BYTES
 
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
-SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "pin_chunk"}
+SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "inline_copy_bytes", "pin_chunk"}
 MAX_PERIOD_S = 86400.0  # the poll loop turns these into timeouts: inf or 1e300 would crash it
 GPU_MODES = ("auto", "on", "off")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
@@ -40,6 +40,7 @@ class DaemonConfig:
     socket_mode: int = 0o660
     shm_mode: int = 0o600
     copy_threads: int = 1
+    inline_copy_bytes: int = 512 * 2**10  # copies up to this size run on the loop thread
     swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off

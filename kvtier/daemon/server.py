@@ -305,17 +305,30 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
             if op.slots and to_pool:
                 op.crcs = [(off, _crc(buf, off, size)) for _, off in op.slots]
 
+        if op.nbytes <= self.config.inline_copy_bytes and not delay:
+            # Small copy: doing it here (tens of microseconds) beats the hand-off
+            # to the copy thread and back through its pipe (~0.2 ms per call).
+            error = None
+            try:
+                copy()
+            except Exception as exc:  # reported as failed blocks, like a worker copy
+                error = exc
+            self._complete(op, error)
+            return
         self.worker.submit(op, copy)
 
     def _finish_copies(self) -> None:
         for op, error in self.worker.completed():
-            try:
-                self.finish_op(op, error)
-            except Exception as exc:  # a bug: the requester gets an error, the loop lives on
-                log.exception("internal error completing a %s for client %d", op.kind, op.client.id)
-                self.errors[ErrorCode.INTERNAL.name] += 1
-                self._send(op.client.identity, op.request_id,
-                           m.Error(int(ErrorCode.INTERNAL), f"{type(exc).__name__}: {exc}", "daemon"))
+            self._complete(op, error)
+
+    def _complete(self, op: Op, error: BaseException | None) -> None:
+        try:
+            self.finish_op(op, error)
+        except Exception as exc:  # a bug: the requester gets an error, the loop lives on
+            log.exception("internal error completing a %s for client %d", op.kind, op.client.id)
+            self.errors[ErrorCode.INTERNAL.name] += 1
+            self._send(op.client.identity, op.request_id,
+                       m.Error(int(ErrorCode.INTERNAL), f"{type(exc).__name__}: {exc}", "daemon"))
 
     @staticmethod
     def _slots(op: Op) -> list[tuple[int, int]]:
