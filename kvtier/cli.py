@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--socket", help="daemon socket (default: $KVTIER_SOCKET or the runtime dir)")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+        sp.add_argument("--token", default=None, help="shared secret, if the daemon has one "
+                        "(default: $KVTIER_TOKEN)")
     from .demo.run import add_arguments  # no torch at import: the CLI stays light
     add_arguments(sub.add_parser("demo", help="two engines share a document's KV through kvtier "
                                  "(starts a private daemon unless --socket)"))
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     try:
         # top may idle longer than the reap timeout between refreshes: keep it alive
-        client = Client(args.socket, name="kvtier-cli", timeout=args.timeout,
+        client = Client(args.socket, name="kvtier-cli", timeout=args.timeout, token=args.token or "",
                         heartbeat=args.command == "top")
     except DaemonUnavailable as exc:
         print(f"kvtier: {exc}", file=sys.stderr)

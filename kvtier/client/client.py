@@ -52,7 +52,8 @@ class Client:
         is not an error: the client starts degraded and connects when one appears."""
         self.socket_path = socket or default_socket()
         self.name = name or f"pid{os.getpid()}"
-        self.timeout, self.transfer_timeout, self.token = timeout, transfer_timeout, token
+        self.timeout, self.transfer_timeout = timeout, transfer_timeout
+        self.token = token or os.environ.get("KVTIER_TOKEN", "")  # same variable as the daemon's
         self._ids = itertools.count(1)
         # One thread at a time owns the socket (ZeroMQ sockets are not thread-safe):
         # it sends, polls and files every reply it reads. Others queue frames in

@@ -255,7 +255,9 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
             if handler is None or msg.TAG not in REQUEST_TAGS:
                 raise DaemonError(ErrorCode.UNKNOWN_OP, f"{msg.TAG!r} is not a request")
             # PING needs a session: its NOT_CONNECTED answer tells a forgotten client to reconnect.
-            if client is None and not isinstance(msg, (m.Hello, m.Stats, m.Flush)):
+            # STATS is served without a session only when no token guards the daemon.
+            if client is None and not (isinstance(msg, m.Hello)
+                                       or (isinstance(msg, m.Stats) and not self.config.token)):
                 raise DaemonError(ErrorCode.NOT_CONNECTED, "say HELLO first")
             if self._stop and isinstance(msg, (m.Store, m.Load, m.Offload, m.Restore, m.Register)):
                 raise DaemonError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")

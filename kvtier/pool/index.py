@@ -29,6 +29,7 @@ from .allocator import IntegrityError, SlabAllocator
 from .policy import EvictionPolicy, LRUPolicy
 
 WRITING, READY = "writing", "ready"
+MAX_NAMESPACES = 4096
 STAT_KEYS = ("lookups", "hits", "misses", "stored", "store_skipped", "store_failed",
              "loaded", "load_failed", "evicted")
 
@@ -86,6 +87,10 @@ class BlockIndex:
     # ---- namespaces ----------------------------------------------------------
     def namespace(self, fingerprint: str, block_bytes: int) -> Namespace:
         ns = self.namespaces.get(fingerprint)
+        if ns is None and len(self.namespaces) >= MAX_NAMESPACES:
+            # Namespaces are never forgotten (their counters are the status history);
+            # the cap keeps a client minting fingerprints from growing the daemon.
+            raise ValueError(f"too many namespaces ({MAX_NAMESPACES}); flush or restart the daemon")
         if ns is None:
             cls = self.alloc_.add_class(block_bytes)
             ns = Namespace(len(self.namespaces) + 1, fingerprint, block_bytes, cls)

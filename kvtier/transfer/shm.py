@@ -18,7 +18,7 @@ import secrets
 
 import torch
 
-from ..pool.segment import ShmSegment
+from ..pool.segment import ShmSegment, cleanup_stale
 from .layout import DTYPES, dtype_name
 
 KV_PREFIX = "kvtier-kv."
@@ -43,6 +43,9 @@ class ShmKVCache:
         for n in sizes:
             offsets.append(total)
             total += -(-n // _ALIGN) * _ALIGN
+        # Segments of this user's engines that died without closing theirs: a daemon
+        # running as another user (systemd) may not unlink them, their owner can.
+        cleanup_stale(KV_PREFIX)
         self.name = name or f"/{KV_PREFIX}{os.getpid()}.{next(_counter)}.{secrets.token_hex(3)}"
         gid = grp.getgrnam(group).gr_gid if isinstance(group, str) else group
         self.segment = ShmSegment(self.name, max(total, _ALIGN), create=True, mode=mode, group=gid)

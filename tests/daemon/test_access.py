@@ -40,6 +40,23 @@ def test_token_is_required_when_configured(daemon_factory):
         Client(d.socket, timeout=3, token="wrong")
     with Client(d.socket, timeout=3, token="s3cret") as c:
         assert c.stats()["pool"]["capacity_bytes"] > 0
+    # Without a session nothing is served when a token is set: no stats, no flush.
+    import zmq
+    from kvtier.protocol import decode, encode
+    from kvtier.protocol import messages as m
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    raw.connect("ipc://" + d.socket)
+    for i, msg in enumerate((m.Stats(), m.Flush())):
+        raw.send(encode(msg, i + 1))
+        rid, reply = decode(raw.recv())
+        assert (rid, reply.code) == (i + 1, ErrorCode.NOT_CONNECTED)
+    raw.close(0)
+    # The CLI takes the token from --token or $KVTIER_TOKEN.
+    from kvtier.cli import main
+    assert main(["status", "--json", "--socket", d.socket]) == 1
+    assert main(["status", "--json", "--socket", d.socket, "--token", "s3cret"]) == 0
 
 
 def test_checksum_mismatch_fails_the_load_and_drops_the_block(daemon_factory):

@@ -21,3 +21,24 @@ def test_nul_in_name_is_refused_not_a_segfault(name):
     with pytest.raises(SegmentError):
         ShmSegment(name, 4096, create=True)
     assert unlink_segment(name) is False
+
+
+def test_a_new_engine_cache_sweeps_its_users_dead_segments():
+    """Segments of dead engines of this user go when the next engine starts."""
+    import multiprocessing as mp
+    import os
+
+    from kvtier.pool.segment import ShmSegment
+    from kvtier.transfer.shm import KV_PREFIX, ShmKVCache
+
+    child = mp.get_context("spawn").Process(target=int)
+    child.start()
+    child.join()
+    dead = f"/{KV_PREFIX}{child.pid}.0.dead01"
+    ShmSegment(dead, 4096, create=True).release(unlink=False)
+    assert os.path.exists("/dev/shm" + dead)
+    kv = ShmKVCache([(2, 8)])
+    try:
+        assert not os.path.exists("/dev/shm" + dead)
+    finally:
+        kv.close()
