@@ -102,13 +102,15 @@ class BlockIndex:
 
     # ---- lookup / store / load -------------------------------------------------
     def lookup(self, ns: Namespace, keys: list[bytes]) -> int:
-        hits = 0
+        found = []
+        get = ns.entries.get
         for key in keys:
-            e = ns.entries.get(key)
+            e = get(key)
             if e is None or e.state != READY:
                 break
-            hits += 1
-        self._touch_chain(ns, keys[:hits])
+            found.append(e)
+        self._touch_chain(found)
+        hits = len(found)
         ns.stats.update(lookups=1, hits=hits, misses=len(keys) - hits)
         return hits
 
@@ -174,7 +176,7 @@ class BlockIndex:
                 continue
             e.pins += 1
             plan.entries[i] = e
-        self._touch_chain(ns, [e.key for e in plan.entries if e is not None])
+        self._touch_chain([e for e in plan.entries if e is not None])
         return plan
 
     def complete_load(self, plan: LoadPlan, failed=()) -> None:
@@ -263,9 +265,10 @@ class BlockIndex:
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)
 
-    def _touch_chain(self, ns: Namespace, keys: list[bytes]) -> None:
-        for key in reversed(keys):  # tail first, so the head is the most recent
-            self.policy.touch(ns.entries[key])
+    def _touch_chain(self, entries: list[Entry]) -> None:
+        touch = self.policy.touch
+        for e in reversed(entries):  # tail first, so the head is the most recent
+            touch(e)
 
     # ---- integrity ---------------------------------------------------------------
     def counters(self) -> dict:
