@@ -80,10 +80,7 @@ class Housekeeping:
     def request_reload(self, *_args) -> None:
         """Signal handler: the loop applies the reload at its next turn."""
         self._reload_pending = True
-        try:
-            os.write(self._sig_w, b"h")
-        except OSError:
-            pass
+        self.wake_loop(b"h")
 
     def _drain_signal_pipe(self) -> None:
         try:

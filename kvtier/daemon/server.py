@@ -176,8 +176,12 @@ class Daemon(Handlers, StatsMixin, Housekeeping):
     def request_stop(self, *_args) -> None:
         """Signal-safe: ask the loop to drain and exit."""
         self._stop = True
+        self.wake_loop(b"s")
+
+    def wake_loop(self, why: bytes) -> None:
+        """Signal-safe: make the poll return now (the signal pipe is in the poller)."""
         try:
-            os.write(self._sig_w, b"s")
+            os.write(self._sig_w, why)
         except OSError:
             pass
 
