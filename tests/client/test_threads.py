@@ -31,7 +31,7 @@ def test_lookup_is_not_held_back_by_a_thread_waiting_on_a_transfer(daemon_factor
         assert results and results[0].ok
         assert c.lookup(hashes) == 8
     # Before the socket-owner design, each lookup queued behind the waiter's 50 ms polls.
-    assert statistics.median(latencies) < 0.02, latencies
+    assert statistics.median(latencies) < 0.05, latencies  # was ~0.1 s; ~0.0004 s now
     kv.close()
 
 
