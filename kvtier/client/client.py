@@ -41,6 +41,11 @@ if TYPE_CHECKING:  # torch is only needed by engines that allocate KV tensors
     from ..transfer.shm import ShmKVCache
 
 log = logging.getLogger("kvtier.client")
+
+
+class _Unsent(str):
+    """Reply slot of a queued frame the socket's owner could not send (text: why).
+    Handles treat it like any non-``done`` reply: every block failed."""
 SESSION_LOST = ErrorCode.NOT_CONNECTED
 
 
@@ -309,7 +314,7 @@ class Client:
     def _transfer(self, msg, count: int, block_ids: Sequence[int] = (),
                   names: tuple[str, ...] = ()) -> TransferHandle:
         deadline = time.monotonic() + self.transfer_timeout
-        held = tuple(int(b) for b in block_ids)
+        held = tuple(block_ids)  # already validated by pack_ids; no per-id conversion
         if not self._healthy:
             return TransferHandle(self, 0, count, deadline,
                                   failed_all(count, "daemon unavailable", names), names)
@@ -409,7 +414,7 @@ class Client:
             except DaemonUnavailable as exc:
                 with self._cv:
                     if req_id in self._waiting:
-                        self._replies[req_id] = m.Error(int(SESSION_LOST), str(exc), "daemon")
+                        self._replies[req_id] = _Unsent(str(exc))
                         self._cv.notify_all()
 
     def _call(self, msg, timeout: float | None = None, connect_wait: float | None = None):
@@ -419,9 +424,9 @@ class Client:
         if reply is None:
             self._abandon(req_id)
             raise DaemonUnavailable(f"no reply from {self.socket_path} within {timeout}s")
+        if isinstance(reply, _Unsent):  # queued by us; the owner found no daemon to send it to
+            raise DaemonUnavailable(str(reply))
         if isinstance(reply, m.Error):
-            if reply.code == SESSION_LOST and "no kvtier daemon" in reply.message:
-                raise DaemonUnavailable(reply.message)  # queued by us, sent by the owner
             raise KVTierError(reply.code, reply.message, reply.side)
         return reply
 

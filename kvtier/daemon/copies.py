@@ -29,9 +29,10 @@ class Copies:
             self.worker.submit(op, gpu_copy)
             return
         delay = self.config.copy_delay_s
-        if self.config.checksums:
+        size, crcs, buf = op.reg.ns.block_bytes, self.crcs, None
+        if self.config.checksums:  # only then does the copy need a view of the pool's bytes
             op.slots = self._slots(op)
-        size, crcs, buf = op.reg.ns.block_bytes, self.crcs, self.segment.buffer
+            buf = self.segment.buffer
 
         def copy():
             if delay:
