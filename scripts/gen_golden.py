@@ -49,7 +49,7 @@ def stats_document() -> dict:
           "writing": 0, **ns_counts}
     totals = {**ns_counts, "hit_rate": 0.75, "store_bytes": 49152, "load_bytes": 49152,
               "stores": 2, "loads": 1, "offload_bytes": 0, "restore_bytes": 0,
-              "requests": 12, "reaped": 0}
+              "requests": 12, "reaped": 0, "cancelled": 0}
     client = {"id": 1, "pid": 4242, "name": "engine-a", "connected_s": 1.5,
               "namespaces": [FP], "inflight": 0, "swap_bytes": 0, "swap_quota": 0,
               "swap_requests": 0}
@@ -85,12 +85,15 @@ def messages() -> list[tuple[str, object, int]]:
         ("ping", m.Ping(), 0),
         ("ping_max_id", m.Ping(), U64_MAX),
         ("bye", m.Bye(), 255),
-        ("welcome", m.Welcome(1, 1, 2.0, 16777216), 1),
+        ("cancel", m.Cancel(12), 18),
+        ("welcome", m.Welcome(1, 1, 2.0, 16777216, 4000), 1),
+        ("welcome_without_daemon_pid", m.Welcome(1, 1, 2.0, 16777216), 1),
         ("registered", m.Registered(1, 1, 16384, 32), 4),
         ("hits", m.Hits(2), 7),
         ("done_store", m.TransferDone(2, 1, b"", False), 9),
         ("done_store_no_space", m.TransferDone(1, 0, pack_ids([1, 2]), True), 9),
         ("done_load_failed", m.TransferDone(2, 0, pack_ids([2])), 10),
+        ("error_cancelled", m.Error(12, "store cancelled (cancelled by the client)", "daemon"), 12),
         ("stats_reply", m.StatsReply(stats_document()), 15),
         ("flushed", m.Flushed(3), 16),
         ("ok", m.Ok(), 6),

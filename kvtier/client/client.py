@@ -1,52 +1,45 @@
-"""The engine-side client: one DEALER socket to the daemon.
+"""The engine-side client: the public API over a ``Channel`` and a ``Session``.
 
-Thread-safe for one engine worker: calls from several threads share the socket
-under a lock; replies are matched to requests by id.
-
-The daemon must never be the reason an engine stalls or crashes. A background
-thread pings the daemon every heartbeat period; when the daemon stops
-answering (killed, restarting) the session is marked lost and the client
-degrades instead of raising: ``lookup`` returns 0, transfers resolve at once
-with every block failed (so the engine recomputes), ``discard`` is a no-op.
-The same thread reconnects when a daemon is back and replays the
-registration, so the engine keeps working without noticing more than misses.
+Thread-safe for one engine worker. The daemon must never be the reason an
+engine stalls or crashes: a background thread pings it every heartbeat
+period; when it stops answering (killed, restarting) the session is marked
+lost and the data path degrades instead of raising - ``lookup`` returns 0,
+new transfers resolve at once with every block failed (so the engine
+recomputes), ``discard`` is a no-op. Transfers already sent are the
+exception: they stay held until the daemon answers them or its process is
+gone (see ``handles.py``). The same thread reconnects when a daemon is back
+and replays the registration.
 
 Primitives: ``register_kv_cache``, ``lookup``, ``store``/``load`` (handles),
-``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``close``,
-``connected``.
+``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``ping``,
+``close``, ``connected``, ``registration``.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Mapping, Sequence
-
-import zmq
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..protocol import messages as m
 from ..protocol.arrays import pack_hashes, pack_ids
-from ..protocol.codec import decode, encode
-from ..protocol.endpoints import default_socket, endpoint
-from ..protocol.errors import ErrorCode, ProtocolError
+from ..protocol.endpoints import default_socket
+from ..protocol.errors import ErrorCode
+from .channel import Channel
 from .errors import DaemonUnavailable, KVTierError
 from .handles import TransferHandle, failed_all
 from .namespace import Namespace
+from .session import SESSION_LOST, Session
 
 if TYPE_CHECKING:  # torch is only needed by engines that allocate KV tensors
     from ..transfer.cuda import CudaKVCache
     from ..transfer.shm import ShmKVCache
 
 log = logging.getLogger("kvtier.client")
-
-
-class _Unsent(str):
-    """Reply slot of a queued frame the socket's owner could not send (text: why).
-    Handles treat it like any non-``done`` reply: every block failed."""
-SESSION_LOST = ErrorCode.NOT_CONNECTED
+DEGRADED = (SESSION_LOST, ErrorCode.SHUTTING_DOWN)  # answers that mean "no daemon for now"
+CLOSE_CONFIRM_S = 5.0  # close(): how long to wait for the daemon to confirm cancelled transfers
 
 
 class Client:
@@ -59,31 +52,13 @@ class Client:
         self.name = name or f"pid{os.getpid()}"
         self.timeout, self.transfer_timeout = timeout, transfer_timeout
         self.token = token or os.environ.get("KVTIER_TOKEN", "")  # same variable as the daemon's
-        self._ids = itertools.count(1)
-        # One thread at a time owns the socket (ZeroMQ sockets are not thread-safe):
-        # it sends, polls and files every reply it reads. Others queue frames in
-        # the outbox (waking the owner through a pipe) and wait on the condition
-        # for their reply, so a thread blocked on a long transfer never delays
-        # another thread's lookup.
-        self._cv = threading.Condition(threading.Lock())
-        self._owner: int | None = None
-        self._depth = 0
-        self._outbox: list[tuple[int, bytes, float]] = []
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._poller = None
-        self._replies: dict[int, object] = {}
-        self._waiting: set[int] = set()
-        self._ctx = zmq.Context.instance()
-        self._sock = None
+        self.session = Session()
+        self.channel = Channel(self.socket_path, self.session, timeout, self._forgotten)
         self._register_args: tuple | None = None
         self._reg: m.Registered | None = None
         self.kv: "ShmKVCache | CudaKVCache | None" = None
         self.block_factor = 1
-        self.heartbeat_s = 1.0
         self.reconnects = 0
-        self._healthy = False
         self._ipc_event = None  # CUDA: the event recorded on the caller's stream for fences
         self._events: dict = {}  # CUDA: daemon events opened from their IPC handles
         self._closed = False
@@ -91,7 +66,9 @@ class Client:
             self._open_session(self.timeout)
         except DaemonUnavailable:
             if require_daemon:
-                self._close_socket()
+                with self.channel.own(time.monotonic() + self.timeout):
+                    self.channel.close_socket()
+                self.channel.close()
                 raise
         self._hb_stop = threading.Event()
         self._hb = None
@@ -102,82 +79,97 @@ class Client:
     # ---- session --------------------------------------------------------------------
     @property
     def connected(self) -> bool:
-        return self._healthy
+        return self.session.healthy
+
+    @property
+    def client_id(self) -> int:
+        return self.session.client_id
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.session.heartbeat_s
+
+    @property
+    def max_message(self) -> int:
+        return self.session.max_message
 
     def _open_session(self, wait: float) -> None:
         """New socket, HELLO, replay the registration. Raises DaemonUnavailable."""
-        if not self._take(time.monotonic() + wait):
-            raise DaemonUnavailable("another thread holds the connection")
-        try:
-            self._close_socket()
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
-            sock.connect(endpoint(self.socket_path))
-            self._sock = sock
-            self._poller = zmq.Poller()
-            self._poller.register(sock, zmq.POLLIN)
-            self._poller.register(self._wake_r, zmq.POLLIN)
+        with self.channel.own(time.monotonic() + wait):
+            self.channel.open()
             pid = 0 if self.socket_path.startswith("tcp://") else os.getpid()
-            welcome = self._call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token),
-                                 timeout=wait, connect_wait=wait)
-            self.client_id, self.heartbeat_s = welcome.client_id, welcome.heartbeat_s
-            self.max_message = welcome.max_message
+            welcome = self.channel.call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token),
+                                        timeout=wait, connect_wait=wait)
+            with self.channel.cv:
+                self.session.welcome(welcome)
             if self._register_args is not None:
-                self._reg = self._call(m.Register(*self._register_args), timeout=wait)
-            self._healthy = True
-        finally:
-            self._give()
+                self._reg = self.channel.call(m.Register(*self._register_args), timeout=wait)
+            self.session.healthy = True
 
     def _lose_session(self, why: str) -> None:
-        """Mark the daemon gone: every waiting request resolves as failed now."""
-        with self._cv:
-            if not self._healthy:
-                return
-            self._healthy = False
-            self._fail_waiting(m.Error(int(SESSION_LOST), f"daemon connection lost: {why}", "daemon"))
-        log.warning("kvtier: %s; degrading (0 hits, transfers fail) until it is back", why)
+        """Mark the daemon gone: waiters that may fail now resolve as failed."""
+        gone = self.session.daemon.gone()
+        if gone:  # its last answers may already sit in our socket: file them first
+            self.channel.poll_reply(-1, 0.0)
+        with self.channel.cv:
+            was = self.session.lose(why, daemon_gone=gone)
+            self.channel.cv.notify_all()
+        if was:
+            log.warning("kvtier: %s; degrading (0 hits, transfers fail) until it is back", why)
 
-    def _fail_waiting(self, reply) -> None:
-        """Resolve every request still waiting (and drop unsent ones). Under _cv."""
-        for rid in self._waiting:
-            self._replies.setdefault(rid, reply)
-        self._outbox.clear()
-        self._cv.notify_all()
+    def _forgotten(self) -> None:
+        self._lose_session("the daemon no longer knows this client")
 
-    def _close_socket(self) -> None:
-        """Owner only."""
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-            self._poller = None
+    def _degrade(self, call: Callable, default):
+        """Run a data-path call; a missing or draining daemon gives ``default``, not an error."""
+        if not self.session.healthy:
+            return default
+        try:
+            return call()
+        except DaemonUnavailable as exc:
+            self._lose_session(str(exc))
+        except KVTierError as exc:
+            if exc.code not in DEGRADED:
+                raise
+        return default
 
     def close(self) -> None:
+        """Cancel what is in flight, wait for the daemon to confirm (bounded), say BYE."""
         if self._closed:
             return
         self._closed = True
         if self._hb is not None:
             self._hb_stop.set()
             self._hb.join(timeout=5)
-        if self._healthy:
+        self._confirm_transfers(CLOSE_CONFIRM_S)
+        if self.session.healthy:
             try:
-                self._call(m.Bye(), timeout=min(self.timeout, 1.0))
+                self.channel.call(m.Bye(), timeout=min(self.timeout, 1.0))
             except KVTierError:
                 pass
-        owned = self._take(time.monotonic() + self.timeout)
         try:
-            if owned:
-                self._close_socket()
-            with self._cv:
-                # BYE made the daemon drop whatever was in flight: fail it now
-                # rather than when each handle's transfer_timeout runs out.
-                self._fail_waiting(m.Error(int(SESSION_LOST), "client closed", "client"))
-                self._healthy = False
-        finally:
-            if owned:
-                self._give()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+            with self.channel.own(time.monotonic() + self.timeout):
+                self.channel.close_socket()
+        except DaemonUnavailable:
+            pass
+        lost = m.Error(int(SESSION_LOST), "client closed", "client")
+        self.channel.fail_all(lost, transfers_too=True)
+        self.session.healthy = False
+        self.channel.close()
+
+    def _confirm_transfers(self, limit: float) -> None:
+        with self.channel.cv:
+            pending = sorted(self.session.transfers_waiting())
+        for rid in pending:
+            self.channel.cancel(rid)
+        deadline = time.monotonic() + limit
+        while pending and time.monotonic() < deadline and not self.session.daemon.gone():
+            self.channel.poll_reply(-1, 0.05)  # pump: replies are filed for their handles
+            with self.channel.cv:
+                pending = [r for r in pending if r in self.session.waiting and r not in self.session.replies]
+        if pending and not self.session.daemon.gone():
+            log.error("kvtier: closing with %d transfers the daemon did not confirm; "
+                      "their blocks may still be touched", len(pending))
 
     def __enter__(self):
         return self
@@ -195,21 +187,16 @@ class Client:
         fp = namespace.fingerprint() if isinstance(namespace, Namespace) else namespace
         args = (fp, kv.specs(list(block_dims)), block_factor, swap_quota)
         self.kv, self.block_factor = kv, block_factor
-        if self._healthy:
-            try:
-                self._reg = self._call(m.Register(*args))
-            except DaemonUnavailable as exc:  # gone since the last heartbeat: replay later
-                self._lose_session(str(exc))
-            except KVTierError as exc:
-                if exc.code != SESSION_LOST:
-                    raise  # refused (bad spec, namespace clash): nothing to replay
-        self._register_args = args
-        return self._reg if self._healthy else None
+        reg = self._degrade(lambda: self.channel.call(m.Register(*args)), None)
+        if reg is not None:
+            self._reg = reg
+        self._register_args = args  # a refusal raised above: nothing to replay
+        return self.registration
 
     @property
     def registration(self) -> m.Registered | None:
         """The daemon's answer to the current registration (None while degraded)."""
-        return self._reg if self._healthy else None
+        return self._reg if self.session.healthy else None
 
     def _reg_id(self) -> int:
         if self._register_args is None:
@@ -221,16 +208,7 @@ class Client:
         """Number of leading ``hashes`` ready in the pool (one round trip); 0
         while the daemon is unreachable."""
         msg = m.Lookup(self._reg_id(), pack_hashes(hashes))
-        if not self._healthy:
-            return 0
-        try:
-            return self._call(msg).hits
-        except DaemonUnavailable as exc:
-            self._lose_session(str(exc))
-        except KVTierError as exc:
-            if exc.code != SESSION_LOST:
-                raise
-        return 0
+        return self._degrade(lambda: self.channel.call(msg).hits, 0)
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, event=None,
               stream=None) -> TransferHandle:
@@ -243,7 +221,7 @@ class Client:
         blocks (the client records an interprocess event on it) or your own
         ``torch.cuda.Event(interprocess=True)`` already recorded there as
         ``event``; the daemon's copy waits for it instead of reading early."""
-        self._check_len(len(block_ids), len(hashes) * self.block_factor)
+        _check_len(len(block_ids), len(hashes) * self.block_factor)
         msg = m.Store(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), self._fence(event, stream))
         return self._transfer(msg, len(hashes), block_ids)
 
@@ -256,7 +234,7 @@ class Client:
         engine is done with the destination blocks; before attention reads
         them, call ``handle.wait_event(stream)`` so that stream waits for the
         daemon's copy."""
-        self._check_len(len(block_ids), len(hashes) * self.block_factor - skip)
+        _check_len(len(block_ids), len(hashes) * self.block_factor - skip)
         msg = m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip, self._fence(event, stream))
         return self._transfer(msg, len(hashes), block_ids)
 
@@ -266,9 +244,10 @@ class Client:
         """Swap preempted requests' engine blocks out to the pool.
 
         ``offload("req-1", ids)`` or ``offload({"req-1": ids, "req-2": ids2})``.
-        Requests that do not fit (pool full of swap, quota) come back in
-        ``result.failed_requests`` at once, without a copy: soft-reset those.
-        Keep the blocks untouched until the handle is done."""
+        ``result.done`` counts requests offloaded; those that do not fit (pool
+        full of swap, quota) come back in ``result.failed_requests`` at once,
+        without a copy: soft-reset those. Keep the blocks untouched until the
+        handle is done."""
         reqs = {request: block_ids} if isinstance(request, str) else dict(request)
         if not reqs or any(ids is None or len(ids) == 0 for ids in reqs.values()):
             raise ValueError("offload needs at least one request with at least one block")
@@ -284,46 +263,35 @@ class Client:
         """Free a swapped request (cancelled). Raises KVTierError if unknown;
         a no-op while the daemon is unreachable (its swap is gone anyway)."""
         msg = m.Discard(self._reg_id(), request)
-        if self._healthy:
-            try:
-                self._call(msg)
-            except DaemonUnavailable as exc:
-                self._lose_session(str(exc))
-            except KVTierError as exc:
-                if exc.code != SESSION_LOST:  # forgotten by the daemon: the swap went with it
-                    raise
+        self._degrade(lambda: self.channel.call(msg), None)
 
     # ---- management --------------------------------------------------------------------
     def stats(self, check: bool = False) -> dict:
         """The daemon's stats document; ``check`` also verifies pool integrity."""
-        return self._call(m.Stats(check)).stats
+        return self.channel.call(m.Stats(check)).stats
 
     def flush(self, namespace: Namespace | str | None = None) -> int:
         fp = namespace.fingerprint() if isinstance(namespace, Namespace) else (namespace or "")
-        return self._call(m.Flush(fp)).removed
+        return self.channel.call(m.Flush(fp)).removed
 
     def ping(self) -> None:
-        self._call(m.Ping())
+        self.channel.call(m.Ping())
 
     # ---- plumbing -----------------------------------------------------------------------
-    @staticmethod
-    def _check_len(got: int, want: int) -> None:
-        if got != want:
-            raise ValueError(f"expected {want} block ids, got {got}")
-
     def _transfer(self, msg, count: int, block_ids: Sequence[int] = (),
                   names: tuple[str, ...] = ()) -> TransferHandle:
         deadline = time.monotonic() + self.transfer_timeout
-        held = tuple(block_ids)  # already validated by pack_ids; no per-id conversion
-        if not self._healthy:
-            return TransferHandle(self, 0, count, deadline,
+        if not self.session.healthy:
+            return TransferHandle(self.channel, 0, count, deadline,
                                   failed_all(count, "daemon unavailable", names), names)
         try:
-            req_id = self._send(msg)
-        except DaemonUnavailable as exc:
+            req_id = self.channel.send(msg)
+        except DaemonUnavailable as exc:  # never sent: nothing can touch the blocks
             self._lose_session(str(exc))
-            return TransferHandle(self, 0, count, deadline, failed_all(count, str(exc), names), names)
-        return TransferHandle(self, req_id, count, deadline, None, names, held)
+            return TransferHandle(self.channel, 0, count, deadline, failed_all(count, str(exc), names), names)
+        handle = TransferHandle(self.channel, req_id, count, deadline, None, names, tuple(block_ids))
+        handle._open_event = self.open_event
+        return handle
 
     def _fence(self, event, stream) -> bytes:
         """IPC handle of the worker event the daemon must wait on (b"" = none)."""
@@ -342,190 +310,44 @@ class Client:
         from ..transfer.events import open_event
         return open_event(self._events, handle, device)
 
-    # The socket role: reentrant, one thread at a time.
-    def _take(self, deadline: float | None = None) -> bool:
-        """Become the socket's owner; False if another thread keeps it past ``deadline``
-        (None: do not wait at all)."""
-        me = threading.get_ident()
-        with self._cv:
-            while self._owner not in (None, me):
-                remaining = -1.0 if deadline is None else deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cv.wait(remaining)
-            self._owner = me
-            self._depth += 1
-            return True
-
-    def _give(self) -> None:
-        with self._cv:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._cv.notify_all()  # a waiter may take over (and flush the outbox)
-
-    def _send(self, msg, connect_wait: float | None = None) -> int:
-        """Send (or queue for the socket's owner) one request; returns its id.
-        Raises DaemonUnavailable when this thread sends and no daemon is there."""
-        req_id = next(self._ids)
-        frame = encode(msg, req_id)
-        wait = min(self.timeout, 1.0) if connect_wait is None else connect_wait
-        with self._cv:
-            self._waiting.add(req_id)
-            if self._owner not in (None, threading.get_ident()):
-                self._outbox.append((req_id, frame, wait))
-                try:
-                    os.write(self._wake_w, b"x")  # the owner is in poll(): wake it to send
-                except BlockingIOError:
-                    pass  # pipe full: the owner is already due to wake
-                return req_id
-            self._owner = threading.get_ident()
-            self._depth += 1
-        try:
-            self._flush()
-            self._transmit(frame, wait)
-        except DaemonUnavailable:
-            with self._cv:
-                self._waiting.discard(req_id)
-            raise
-        finally:
-            self._give()
-        return req_id
-
-    def _transmit(self, frame: bytes, wait: float) -> None:
-        """Owner only. IMMEDIATE: writable only while a daemon is connected; wait a
-        bounded time (fresh socket, daemon restarting), then report it missing."""
-        if self._sock is None or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
-            raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}")
-        try:
-            self._sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path}") from None
-
-    def _flush(self) -> None:
-        """Owner only: send what other threads queued; a failure fails that request."""
-        while True:
-            with self._cv:
-                if not self._outbox:
-                    return
-                req_id, frame, wait = self._outbox.pop(0)
-            try:
-                self._transmit(frame, wait)
-            except DaemonUnavailable as exc:
-                with self._cv:
-                    if req_id in self._waiting:
-                        self._replies[req_id] = _Unsent(str(exc))
-                        self._cv.notify_all()
-
-    def _call(self, msg, timeout: float | None = None, connect_wait: float | None = None):
-        timeout = self.timeout if timeout is None else timeout
-        req_id = self._send(msg, connect_wait)
-        reply = self._poll_reply(req_id, timeout)
-        if reply is None:
-            self._abandon(req_id)
-            raise DaemonUnavailable(f"no reply from {self.socket_path} within {timeout}s")
-        if isinstance(reply, _Unsent):  # queued by us; the owner found no daemon to send it to
-            raise DaemonUnavailable(str(reply))
-        if isinstance(reply, m.Error):
-            raise KVTierError(reply.code, reply.message, reply.side)
-        return reply
-
-    def _poll_reply(self, req_id: int, timeout: float):
-        """The reply for ``req_id`` if it arrives within ``timeout``, else None.
-        Pumps the socket when no other thread does; otherwise waits to be told."""
-        deadline = time.monotonic() + timeout
-        me = threading.get_ident()
-        while True:
-            with self._cv:
-                if req_id in self._replies:
-                    self._waiting.discard(req_id)
-                    return self._replies.pop(req_id)
-                remaining = deadline - time.monotonic()
-                if self._owner not in (None, me):
-                    if remaining <= 0:
-                        return None
-                    self._cv.wait(remaining)  # the owner files replies and notifies
-                    continue
-                self._owner = me
-                self._depth += 1
-            try:
-                self._pump(max(0.0, min(remaining, 0.1)))
-            finally:
-                self._give()
-            if remaining <= 0:
-                with self._cv:
-                    if req_id in self._replies:
-                        self._waiting.discard(req_id)
-                        return self._replies.pop(req_id)
-                return None
-
-    def _pump(self, slice_s: float) -> None:
-        """Owner only: send queued frames, wait up to ``slice_s`` for traffic, file replies."""
-        self._flush()
-        if self._poller is None:
-            time.sleep(min(slice_s, 0.05))
-            return
-        events = dict(self._poller.poll(int(slice_s * 1000)))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-            self._flush()
-        if self._sock in events:
-            self._drain()
-
-    def _drain(self) -> None:
-        """Owner only: read every reply available and hand each to its waiter."""
-        while True:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                rid, reply = decode(frame, 1 << 30)
-            except ProtocolError as exc:  # never the engine's problem: its caller times out
-                log.warning("kvtier: dropped an undecodable reply from the daemon: %s", exc)
-                continue
-            if isinstance(reply, m.Error) and reply.code == SESSION_LOST:
-                # The daemon forgot us (restart, reaped): it will answer nothing
-                # else in flight, so fail those now and let the heartbeat reconnect.
-                self._lose_session("the daemon no longer knows this client")
-            with self._cv:
-                if rid in self._waiting:
-                    self._replies[rid] = reply
-                    self._cv.notify_all()
-
-    def _abandon(self, req_id: int) -> None:
-        with self._cv:
-            self._waiting.discard(req_id)
-            self._replies.pop(req_id, None)
-
+    # ---- heartbeat ----------------------------------------------------------------------
     def _heartbeat(self) -> None:
-        while not self._hb_stop.wait(self.heartbeat_s):
+        while not self._hb_stop.wait(self.session.heartbeat_s):
             try:
                 self._beat()
             except Exception:  # if this thread died the client would never reconnect
                 log.exception("kvtier: heartbeat failed; trying again next period")
 
     def _beat(self) -> None:
-        """Ping while healthy, reconnect while not."""
-        if not self._healthy:
-            self._reconnect()
+        """Ping while healthy; reconnect while not - but never replace a socket
+        whose transfers the living daemon has not answered yet."""
+        if self.session.healthy:
+            try:
+                self.channel.call(m.Ping(), timeout=max(2 * self.session.heartbeat_s, 1.0))
+            except DaemonUnavailable as exc:
+                self._lose_session(str(exc))
+            except KVTierError as exc:
+                if exc.code == SESSION_LOST:
+                    self._lose_session("the daemon no longer knows this client")
             return
-        try:
-            self._call(m.Ping(), timeout=max(2 * self.heartbeat_s, 1.0))
-        except DaemonUnavailable as exc:
-            self._lose_session(str(exc))
-        except KVTierError as exc:
-            if exc.code == SESSION_LOST:
-                self._lose_session("the daemon no longer knows this client")
-
-    def _reconnect(self) -> None:
+        if self.session.daemon.gone():
+            lost = m.Error(int(SESSION_LOST), "daemon exited", "daemon")
+            self.channel.fail_all(lost, transfers_too=True)
+        elif self.session.transfers_waiting():
+            try:  # same socket: the daemon may just have been slow
+                self.channel.call(m.Ping(), timeout=min(self.timeout, 1.0))
+                self.session.healthy = True
+            except KVTierError:
+                pass
+            return
         try:
             self._open_session(min(self.timeout, 1.0))
         except KVTierError:
             return
         self.reconnects += 1
         log.warning("kvtier: reconnected to %s as client %d", self.socket_path, self.client_id)
+
+
+def _check_len(got: int, want: int) -> None:
+    if got != want:
+        raise ValueError(f"expected {want} block ids, got {got}")

@@ -1,4 +1,12 @@
-"""Handles for asynchronous store/load/offload/restore."""
+"""Handles for asynchronous store/load/offload/restore.
+
+A handle is done only when the daemon can no longer touch the transfer's
+engine blocks: its reply arrived (done, failed or cancelled), the request
+never left this process, or the daemon process is confirmed dead. When the
+transfer outlives ``transfer_timeout`` the handle sends CANCEL and keeps
+waiting for that confirmation (one copy chunk plus a round trip); until
+then ``held_blocks`` still names the blocks.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +18,14 @@ from ..protocol import messages as m
 from ..protocol.arrays import unpack_ids
 
 if TYPE_CHECKING:
-    from .client import Client
+    from .channel import Channel
+
+LIVENESS_SLICE_S = 0.25  # while waiting, how often the daemon's process is checked
 
 
 @dataclass(frozen=True)
 class TransferResult:
-    done: int                     # blocks copied (store: newly stored)
+    done: int                     # blocks copied (store: newly stored; offload: requests)
     skipped: int                  # store: already in the pool (dedup)
     failed: tuple[int, ...]       # indices into the call's hashes / requests
     no_space: bool = False        # some blocks failed for lack of room
@@ -28,8 +38,9 @@ class TransferResult:
 
     @property
     def failed_requests(self) -> tuple[str, ...]:
-        """Offload: request ids that were not offloaded (soft-reset those)."""
-        return tuple(self.names[i] for i in self.failed)
+        """Offload: request ids that were not offloaded (soft-reset those).
+        Empty for store/load results, which carry no request names."""
+        return tuple(self.names[i] for i in self.failed if i < len(self.names))
 
 
 class TransferHandle:
@@ -37,13 +48,15 @@ class TransferHandle:
     a load's destination blocks) must not be reused until the handle is done:
     ``held_blocks`` names them and is empty once they are free again."""
 
-    def __init__(self, client: "Client | None", req_id: int, count: int, deadline: float,
+    def __init__(self, channel: "Channel | None", req_id: int, count: int, deadline: float,
                  result: TransferResult | None = None, names: tuple[str, ...] = (),
                  blocks: tuple[int, ...] = ()):
-        self._client, self._req_id, self._count = client, req_id, count
+        self._channel, self._req_id, self._count = channel, req_id, count
         self._deadline, self._result, self._names = deadline, result, names
         self._blocks = blocks
+        self._cancelled = False
         self._event = b""  # CUDA load: the daemon's "copy finished" event
+        self._open_event = None
 
     @property
     def held_blocks(self) -> tuple[int, ...]:
@@ -55,29 +68,46 @@ class TransferHandle:
         wait on the daemon's copy before anything queued after this reads
         the blocks. A no-op fence for CPU caches."""
         result = self.wait()
-        if self._event:
+        if self._event and self._open_event is not None:
             import torch
             stream = stream if stream is not None else torch.cuda.current_stream()
-            stream.wait_event(self._client.open_event(self._event, stream.device))
+            stream.wait_event(self._open_event(self._event, stream.device))
         return result
 
     def done(self) -> bool:
         if self._result is None:
-            self._resolve(self._client._poll_reply(self._req_id, 0.0))
+            self._resolve(self._channel.poll_reply(self._req_id, 0.0))
+            self._check()
         return self._result is not None
 
     def wait(self, timeout: float | None = None) -> TransferResult:
-        """Block until finished; on timeout every block is reported failed."""
-        if self._result is None:
-            deadline = self._deadline if timeout is None else min(self._deadline, time.monotonic() + timeout)
-            reply = self._client._poll_reply(self._req_id, max(0.0, deadline - time.monotonic()))
-            self._resolve(reply)
+        """Block until final. Past ``transfer_timeout`` the transfer is cancelled
+        and every block reported failed once the daemon confirmed it stopped.
+        ``timeout`` bounds this call only: TimeoutError if not final by then
+        (the blocks stay held)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._result is None:
+            now = time.monotonic()
+            until = now + LIVENESS_SLICE_S
+            if not self._cancelled:
+                until = min(until, self._deadline)
+            if end is not None:
+                until = min(until, end)
+            self._resolve(self._channel.poll_reply(self._req_id, max(0.0, until - now)))
             if self._result is None:
-                if timeout is not None and time.monotonic() < self._deadline:
-                    raise TimeoutError(f"transfer not finished within {timeout}s")
-                self._client._abandon(self._req_id)
-                self._result = failed_all(self._count, "timeout waiting for the daemon", self._names)
+                self._check(liveness=True)
+            if self._result is None and end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"transfer not finished within {timeout}s (blocks still held)")
         return self._result
+
+    def _check(self, liveness: bool = False) -> None:
+        """Past the deadline: cancel once. Daemon dead: nothing can touch the blocks."""
+        if not self._cancelled and time.monotonic() >= self._deadline:
+            self._cancelled = True
+            self._channel.cancel(self._req_id)
+        if (liveness or self._cancelled) and self._channel.session.daemon.gone():
+            self._channel.abandon(self._req_id)
+            self._result = failed_all(self._count, "daemon exited", self._names)
 
     def _resolve(self, reply) -> None:
         if reply is None:
@@ -87,6 +117,8 @@ class TransferHandle:
             self._result = TransferResult(reply.done, reply.skipped,
                                           tuple(unpack_ids(reply.failed).tolist()), reply.no_space,
                                           names=self._names)
+        elif self._cancelled:
+            self._result = failed_all(self._count, f"timed out, cancelled: {reply}", self._names)
         else:  # error reply or transport failure
             self._result = failed_all(self._count, str(reply), self._names)
 

@@ -18,7 +18,8 @@ from ..protocol.endpoints import default_socket
 from ..protocol.messages import MAX_MESSAGE_BYTES
 
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
-SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "inline_copy_bytes", "pin_chunk"}
+SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "inline_copy_bytes", "pin_chunk",
+             "copy_chunk_bytes"}
 MAX_PERIOD_S = 86400.0  # the poll loop turns these into timeouts: inf or 1e300 would crash it
 GPU_MODES = ("auto", "on", "off")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
@@ -41,6 +42,8 @@ class DaemonConfig:
     shm_mode: int = 0o600
     copy_threads: int = 1
     inline_copy_bytes: int = 512 * 2**10  # copies up to this size run on the loop thread
+    copy_chunk_bytes: int = 16 * 2**20    # a cancelled copy stops within one chunk
+    drain_timeout_s: float = 30.0   # SIGTERM: copies still running after this are cancelled
     swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off
@@ -52,7 +55,7 @@ class DaemonConfig:
     metrics: str = ""               # Prometheus HTTP endpoint HOST:PORT; "" = off
     checksums: bool = False         # debug: crc32 per block at store, verified at load
     socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
-    copy_delay_s: float = 0.0       # fault injection for tests: stall every copy
+    copy_delay_s: float = 0.0       # fault injection for tests: stall before every copy chunk
 
     def __post_init__(self):
         def bad(key, why):
@@ -87,6 +90,10 @@ class DaemonConfig:
         for key in ("socket_mode", "shm_mode"):
             if not 0 <= getattr(self, key) <= 0o777:
                 bad(key, "must be a file mode like 0o660")
+        if not 4096 <= self.copy_chunk_bytes <= 2**40:
+            bad("copy_chunk_bytes", "must be in [4KiB, 1TiB]")
+        if not 0 <= self.drain_timeout_s <= 3600:
+            bad("drain_timeout_s", "must be in [0, 3600]")
         if not 0 <= self.copy_delay_s <= 60:
             bad("copy_delay_s", "must be in [0, 60]")
         if self.gpu not in GPU_MODES:

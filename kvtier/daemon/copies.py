@@ -1,8 +1,19 @@
-"""Copies: start them (on the loop thread when small, else the copy worker),
-complete them (commit or drop the plan, answer the requester).
+"""Running transfers: start each op's copy, stop it when cancelled, end it once.
 
-Primitives (mixed into the Daemon): ``start_copy(op, pairs, to_pool)``,
-``finish_op(op, error)``, ``complete_plan(op, error)``.
+A copy runs on the loop thread when it is small (cheaper than the hand-off),
+else on the copy worker's threads. It moves ``chunk_bytes`` of engine blocks
+at a time and checks the op's cancel flag before each chunk, so a cancelled
+op stops touching engine memory within one chunk (milliseconds).
+
+The finality rule (README, "Transfers end once"): an op is answered exactly
+once, by ``_complete``, after its copy has returned - never while the copy
+may still run. A cancelled op (client cancel after its timeout, reap, drain
+deadline) is finished as failed: a store commits nothing, a load unpins and
+reports every block failed. Its reply is ``CANCELLED``; the client keeps the
+blocks held until that reply (or until the daemon process is gone).
+
+Primitives: ``CopyRunner.start(op)``, ``.cancel(op, why)``, ``.cancel_all(why)``,
+``.finish_completed()``, ``.pending``, ``.drain(timeout)``, ``.close()``.
 """
 
 from __future__ import annotations
@@ -10,40 +21,59 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections import Counter
+from typing import Callable
+
+import torch
 
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
-from .state import Op
+from ..transfer.worker import CopyWorker
+from .config import DaemonConfig
+from .latency import LatencyHistograms
+from .ops import CopyOp
 
 log = logging.getLogger("kvtier.daemon")
 
 
-class Copies:
-    def start_copy(self, op: Op, pairs, to_pool: bool) -> None:
+class Cancelled(Exception):
+    """Raised inside a copy that saw its op's cancel flag."""
+
+
+class CopyRunner:
+    def __init__(self, pool: torch.Tensor, pool_buffer, settings: Callable[[], DaemonConfig],
+                 send: Callable[[bytes, int, object], None], on_idle: Callable[[object], None],
+                 counters: Counter, errors: Counter, latency: LatencyHistograms):
+        self.pool, self.pool_buffer = pool, pool_buffer
+        self.settings, self.send, self.on_idle = settings, send, on_idle
+        self.counters, self.errors, self.latency = counters, errors, latency
+        self.worker = CopyWorker(settings().copy_threads)
+        self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
+        self.inflight: set[CopyOp] = set()
+
+    @property
+    def wakeup_fd(self) -> int:
+        return self.worker.wakeup_fd
+
+    @property
+    def pending(self) -> int:
+        return len(self.inflight)
+
+    # ---- start -----------------------------------------------------------------------
+    def start(self, op: CopyOp) -> None:
         op.reg.inflight += 1
-        op.client.ops.add(op)
-        layout, pool, engine = op.reg.layout, self.pool, op.reg.copier
-        if engine is not None:  # CUDA: fenced copy on the registration's stream
+        op.client.ops[op.request_id] = op
+        self.inflight.add(op)
+        config = self.settings()
+        if op.reg.copier is not None:  # CUDA: fenced copy on the registration's stream
+            engine, pool = op.reg.copier, self.pool
+
             def gpu_copy():
-                op.done_event = engine.copy(pool, pairs, to_pool, op.event)
+                op.done_event = engine.copy(pool, op.pairs, op.to_pool, op.fence, op.cancelled)
             self.worker.submit(op, gpu_copy)
             return
-        delay = self.config.copy_delay_s
-        size, crcs, buf = op.reg.ns.block_bytes, self.crcs, None
-        if self.config.checksums:  # only then does the copy need a view of the pool's bytes
-            op.slots = self._slots(op)
-            buf = self.segment.buffer
-
-        def copy():
-            if delay:
-                time.sleep(delay)
-            if op.slots and not to_pool:  # verify before the bytes reach the engine
-                op.bad = sorted({i for i, off in op.slots if _crc(buf, off, size) != crcs.get(off)})
-            layout.copy(pool, pairs, to_pool)
-            if op.slots and to_pool:
-                op.crcs = [(off, _crc(buf, off, size)) for _, off in op.slots]
-
-        if op.nbytes <= self.config.inline_copy_bytes and not delay:
+        copy = self._cpu_copy(op, config)
+        if op.nbytes <= config.inline_copy_bytes and not config.copy_delay_s:
             # Small copy: doing it here (tens of microseconds) beats the hand-off
             # to the copy thread and back through its pipe (~0.2 ms per call).
             error = None
@@ -55,67 +85,87 @@ class Copies:
             return
         self.worker.submit(op, copy)
 
-    def _finish_copies(self) -> None:
+    def _cpu_copy(self, op: CopyOp, config: DaemonConfig) -> Callable[[], None]:
+        layout, pool, delay = op.reg.layout, self.pool, config.copy_delay_s
+        per_chunk = max(1, config.copy_chunk_bytes // layout.engine_block_bytes)
+        chunks = [op.pairs[i:i + per_chunk] for i in range(0, len(op.pairs), per_chunk)]
+        slots, size, buf, crcs = [], op.reg.ns.block_bytes, self.pool_buffer, self.crcs
+        if config.checksums:
+            slots = op.slots()
+
+        def copy():
+            if slots and not op.to_pool:  # verify before the bytes reach the engine
+                op.bad = sorted({i for i, off in slots if _crc(buf, off, size) != crcs.get(off)})
+            for chunk in chunks:
+                if delay:  # fault injection: a slow copy, still cancellable
+                    op.cancelled.wait(delay)
+                if op.cancelled.is_set():
+                    raise Cancelled(op.cancel_reason)
+                layout.copy(pool, chunk, op.to_pool)
+            if slots and op.to_pool:
+                op.crcs = [(off, _crc(buf, off, size)) for _, off in slots]
+        return copy
+
+    # ---- cancel ----------------------------------------------------------------------
+    def cancel(self, op: CopyOp, why: str) -> None:
+        """Ask ``op``'s copy to stop at its next chunk; it is answered when it did."""
+        op.cancel(why)
+
+    def cancel_all(self, why: str) -> int:
+        for op in self.inflight:
+            op.cancel(why)
+        return len(self.inflight)
+
+    # ---- complete --------------------------------------------------------------------
+    def finish_completed(self) -> None:
         for op, error in self.worker.completed():
             self._complete(op, error)
 
-    def _complete(self, op: Op, error: BaseException | None) -> None:
-        try:
-            self.finish_op(op, error)
-        except Exception as exc:  # a bug: the requester gets an error, the loop lives on
-            log.exception("internal error completing a %s for client %d", op.kind, op.client.id)
-            self.errors[ErrorCode.INTERNAL.name] += 1
-            self._send(op.client.identity, op.request_id,
-                       m.Error(int(ErrorCode.INTERNAL), f"{type(exc).__name__}: {exc}", "daemon"))
-
-    @staticmethod
-    def _slots(op: Op) -> list[tuple[int, int]]:
-        if op.kind in ("store", "load"):
-            return [(i, e.offset) for i, e in enumerate(op.plan.entries) if e is not None]
-        if op.kind == "offload":
-            return [(i, off) for i, rec, _ in op.plan for off in rec.offsets]
-        return [(0, off) for off in op.plan.offsets]
-
-    def finish_op(self, op: Op, error: BaseException | None) -> None:
-        self.observe_op(op)
-        op.client.ops.discard(op)
+    def _complete(self, op: CopyOp, error: BaseException | None) -> None:
+        """The one place an op ends: its copy has returned, nothing touches its blocks now."""
+        self.inflight.discard(op)
+        op.client.ops.pop(op.request_id, None)
         op.reg.inflight -= 1
+        self.latency.observe(op.label, time.monotonic() - op.started)
+        failed = error is not None or op.cancelled.is_set()
         try:
-            if error is not None:
-                log.error("copy for client %d (%s) failed: %s", op.client.id, op.kind, error)
+            if error is not None and not isinstance(error, Cancelled):
+                log.error("copy for client %d (%s) failed: %s", op.client.id, op.label, error)
                 self.errors["COPY_FAILED"] += 1
-            self.crcs.update(op.crcs)
+            if not failed:
+                self.crcs.update(op.crcs)
             if op.bad:
-                log.error("checksum mismatch on %d blocks loaded by client %d: dropping them",
+                log.error("checksum mismatch on %d blocks read by client %d: dropping them",
                           len(op.bad), op.client.id)
                 self.errors["CHECKSUM"] += len(op.bad)
-            failed = self.complete_plan(op, error is not None)
-            self.counters[op.kind + "_bytes"] += 0 if error else op.nbytes
-            self.counters[op.kind + "s"] += 1
-            if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:
-                self._send(op.client.identity, op.request_id, op.extra(failed))
+            reply = op.finish(failed)
+            if op.cancelled.is_set():
+                self.counters["cancelled"] += 1
+                log.info("%s for client %d cancelled (%s): nothing committed", op.label, op.client.id,
+                         op.cancel_reason)
+                reply = m.Error(int(ErrorCode.CANCELLED), f"{op.label} cancelled ({op.cancel_reason}); "
+                                "nothing was committed and its blocks are free", "daemon")
+            else:
+                self.counters[op.label + "_bytes"] += 0 if failed else op.nbytes
+                self.counters[op.label + "s"] += 1
+        except Exception as exc:  # a bug: the requester gets an error, the loop lives on
+            log.exception("internal error completing a %s for client %d", op.label, op.client.id)
+            self.errors[ErrorCode.INTERNAL.name] += 1
+            reply = m.Error(int(ErrorCode.INTERNAL), f"{type(exc).__name__}: {exc}", "daemon")
         finally:  # even after a bug above: a closed registration's mappings must go
-            op.extra = None  # the reply builder may refer back to the op
-            if op.reg.closing and op.reg.inflight == 0:
-                self._release(op.reg)
+            op.pairs = []
+            if op.reg.inflight == 0:
+                self.on_idle(op.reg)
+        # Always answered, even to a reaped client: a client that is still there waits
+        # for exactly this reply before it reuses the blocks.
+        self.send(op.client.identity, op.request_id, reply)
 
-    def complete_plan(self, op: Op, error: bool) -> list[int]:
-        plan = op.plan
-        if op.kind == "offload":
-            for _, rec, _ in plan:
-                self.swap.complete_offload(rec, not error)
-            return [i for i, _, _ in plan] if error else []
-        if op.kind == "restore":  # corrupt data is freed too: the engine recomputes
-            self.swap.complete_restore(plan, not error or bool(op.bad))
-            return [0] if error or op.bad else []
-        written = [i for i, e in enumerate(plan.entries) if e is not None]
-        if op.kind == "store":
-            self.index.complete_store(plan, failed=written if error else ())
-            return plan.no_space + (written if error else [])
-        self.index.complete_load(plan, failed=written if error else op.bad)
-        for i in op.bad:
-            self.index.discard(plan.entries[i])
-        return sorted(set(plan.missing + (written if error else op.bad)))
+    # ---- shutdown --------------------------------------------------------------------
+    def drain(self, timeout: float) -> bool:
+        return self.worker.drain(timeout)
+
+    def close(self) -> None:
+        self.worker.close()
 
 
 def _crc(buf, offset: int, size: int) -> int:

@@ -4,13 +4,16 @@ the stats snapshot behind Prometheus metrics, and transfer latencies.
 Everything here runs on the poll-loop thread except the metrics HTTP server,
 which only ever reads ``self.snapshot``: a dict built fresh by ``stats()`` and
 replaced whole (one attribute store), never mutated after publication.
+
+Primitives: ``Housekeeping(config, notifier, reloader, stats)``, ``.config``
+(the live config, replaced on reload), ``.start_metrics()``, ``.tick()``,
+``.request_reload()``, ``.stop()``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Callable
 
@@ -29,9 +32,12 @@ SNAPSHOT_PERIOD_S = 0.5
 
 
 class Housekeeping:
-    def init_housekeeping(self, notifier: Notifier | None, reloader: Callable[[], DaemonConfig] | None):
+    def __init__(self, config: DaemonConfig, notifier: Notifier | None,
+                 reloader: Callable[[], DaemonConfig] | None, stats: Callable[[], dict]):
+        self.config = config
         self.notifier = notifier or Notifier({})
         self.reloader = reloader
+        self.stats = stats
         self.latency = LatencyHistograms()
         self.snapshot: dict | None = None   # read by the metrics thread
         self.metrics_server = None
@@ -52,12 +58,11 @@ class Housekeeping:
         self.notifier.ready(f"serving on {self.config.socket}")
         log.info("ready")
 
-    def housekeeping(self) -> float:
+    def tick(self) -> float:
         """Called once per loop turn; returns seconds until it next needs to run."""
         now = time.monotonic()
         if self._reload_pending:
             self._reload_pending = False
-            self._drain_signal_pipe()
             self.reload()
         due = self.notifier.watchdog_tick(now)
         if self.metrics_server is not None:
@@ -67,27 +72,16 @@ class Housekeeping:
             due = min(due, self._next_snapshot - now)
         return max(0.0, due)
 
-    def observe_op(self, op) -> None:
-        self.latency.observe(op.kind, time.monotonic() - op.started)
-
-    def stop_housekeeping(self) -> None:
+    def stop(self) -> None:
         self.notifier.stopping()
         if self.metrics_server is not None:
             self.metrics_server.close()
             self.metrics_server = None
 
     # ---- SIGHUP -------------------------------------------------------------------
-    def request_reload(self, *_args) -> None:
-        """Signal handler: the loop applies the reload at its next turn."""
+    def request_reload(self) -> None:
+        """Signal-safe: the loop applies the reload at its next turn."""
         self._reload_pending = True
-        self.wake_loop(b"h")
-
-    def _drain_signal_pipe(self) -> None:
-        try:
-            while os.read(self._sig_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
 
     def reload(self) -> None:
         """Re-read config file + environment; apply the reloadable keys, log the rest."""

@@ -1,4 +1,4 @@
-"""Daemon-side records: connected clients, registered caches, in-flight ops."""
+"""Daemon-side records: connected clients and their registered caches."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class ClientState:
     connected: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
     regs: dict = field(default_factory=dict)
-    ops: set = field(default_factory=set)
+    ops: dict = field(default_factory=dict)   # request id -> CopyOp in flight
     swap_quota: int = 0               # bytes; 0 = only the pool-wide swap cap applies
 
     def process_alive(self) -> bool:
@@ -64,20 +64,3 @@ class Registration:
     copier: Any = None                 # CudaCopyEngine for CUDA registrations
     inflight: int = 0
     closing: bool = False
-
-
-@dataclass(eq=False)
-class Op:
-    kind: str                          # "store" | "load" | "offload" | "restore"
-    client: ClientState
-    reg: Registration
-    request_id: int
-    plan: Any
-    nbytes: int
-    started: float = field(default_factory=time.monotonic)
-    extra: Any = None                  # reply builder: failed indices -> reply message
-    slots: list = field(default_factory=list)  # (index in the request, pool offset)
-    crcs: list = field(default_factory=list)   # checksums computed after a store
-    bad: list = field(default_factory=list)    # indices whose checksum did not match
-    event: bytes = b""                 # CUDA: the worker's event to wait on before copying
-    done_event: bytes = b""            # CUDA: this op's "copy finished" event (IPC handle)

@@ -22,6 +22,7 @@ class ErrorCode(enum.IntEnum):
     TOO_LARGE = 9          # frame over the maximum message size
     UNAUTHORIZED = 10      # bad or missing token at HELLO
     SHUTTING_DOWN = 11     # daemon is draining; retry against the next daemon
+    CANCELLED = 12         # transfer stopped (client cancel, reap, drain); nothing committed
 
 
 CLIENT_FAULT = frozenset({

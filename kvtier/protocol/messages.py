@@ -10,6 +10,7 @@ Primitives:
   Lookup/Hits              longest ready prefix of a hash chain
   Store, Load/TransferDone two-phase copies; reply when the copy finished
   Offload, Restore, Discard request swap (owned by one client, not shared)
+  Cancel -> Ok             stop a transfer; its own reply then confirms it is over
   Stats/StatsReply, Flush/Flushed, Ping/Bye/Unregister -> Ok
   Error                    typed failure (code, message, side at fault)
 
@@ -138,6 +139,12 @@ class Bye:
     TAG: ClassVar[str]
 
 
+@message("cancel")
+class Cancel:
+    request: int            # request id of this client's store/load/offload/restore
+    TAG: ClassVar[str]
+
+
 # ---- replies ----------------------------------------------------------------
 
 @message("welcome")
@@ -146,6 +153,7 @@ class Welcome:
     client_id: int
     heartbeat_s: float
     max_message: int
+    daemon_pid: int = 0     # lets a local client tell "daemon slow" from "daemon gone"
     TAG: ClassVar[str]
 
 
@@ -197,6 +205,15 @@ class Error:
     message: str
     side: str = "client"
     TAG: ClassVar[str]
+
+
+REQUESTS: frozenset[type] = frozenset({
+    Hello, Register, Unregister, Lookup, Store, Load, Offload, Restore, Discard, Stats, Flush,
+    Ping, Bye, Cancel})
+"""Messages a client may send; every other tag is a reply."""
+
+TRANSFERS: frozenset[type] = frozenset({Store, Load, Offload, Restore})
+"""Requests whose copy touches the engine's blocks until their reply."""
 
 
 def wire_fields(cls) -> tuple[dataclasses.Field, ...]:

@@ -90,13 +90,17 @@ class CudaCopyEngine:
         self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
         self._lock = threading.Lock()
 
-    def copy(self, pool: torch.Tensor, pairs, to_pool: bool, wait_handle: bytes = b"") -> bytes:
+    def copy(self, pool: torch.Tensor, pairs, to_pool: bool, wait_handle: bytes = b"",
+             cancelled: threading.Event | None = None) -> bytes:
         """Runs on a copy thread; returns (the IPC handle of this op's "done"
-        event) once the bytes have really moved."""
+        event) once the bytes have really moved. ``cancelled`` set while the
+        fence is awaited stops the op before anything is queued."""
         timing = None
         with torch.cuda.device(self.device):
             if wait_handle:
-                wait_event_on_host(self._imported(wait_handle), FENCE_TIMEOUT_S)
+                wait_event_on_host(self._imported(wait_handle), FENCE_TIMEOUT_S, cancelled)
+            if cancelled is not None and cancelled.is_set():
+                raise FenceTimeout("cancelled before the copy was queued")
             slot, done, handle = self._done_event()
             with torch.cuda.stream(self.stream):
                 if self.runs is None:
@@ -162,11 +166,13 @@ class CudaCopyEngine:
             return ev
 
 
-def wait_event_on_host(event, timeout: float) -> None:
+def wait_event_on_host(event, timeout: float, cancelled: threading.Event | None = None) -> None:
     """Poll ``event`` with a short backoff (5 us .. 1 ms) until it fired."""
     deadline = time.monotonic() + timeout
     delay = 5e-6
     while not event.query():
+        if cancelled is not None and cancelled.is_set():
+            raise FenceTimeout("cancelled while waiting for the worker's event")
         if time.monotonic() > deadline:
             raise FenceTimeout(f"worker event not done after {timeout:.0f}s (worker dead or hung)")
         time.sleep(delay)

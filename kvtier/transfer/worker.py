@@ -12,18 +12,18 @@ Primitives: ``submit(token, fn)``, ``completed() -> [(token, error)]``,
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Any, Callable
+
+from ..waker import Waker
 
 
 class CopyWorker:
     def __init__(self, threads: int = 1):
         self._jobs: queue.Queue = queue.Queue()
         self._done: queue.Queue = queue.Queue()
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
+        self._waker = Waker()
         self._pending = 0
         self._idle = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-copy-{i}", daemon=True)
@@ -33,7 +33,7 @@ class CopyWorker:
 
     @property
     def wakeup_fd(self) -> int:
-        return self._rfd
+        return self._waker.fd
 
     @property
     def pending(self) -> int:
@@ -45,11 +45,7 @@ class CopyWorker:
         self._jobs.put((token, fn))
 
     def completed(self) -> list[tuple[Any, BaseException | None]]:
-        try:
-            while os.read(self._rfd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._waker.clear()
         out = []
         while True:
             try:
@@ -67,8 +63,7 @@ class CopyWorker:
             self._jobs.put(None)
         for t in self._threads:
             t.join(timeout=10)
-        for fd in (self._rfd, self._wfd):
-            os.close(fd)
+        self._waker.close()
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
@@ -87,7 +82,4 @@ class CopyWorker:
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
-            try:
-                os.write(self._wfd, b"x")
-            except BlockingIOError:
-                pass  # pipe full: the loop is already due to wake
+            self._waker.wake()

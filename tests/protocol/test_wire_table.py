@@ -32,8 +32,9 @@ WIRE = {  # tag: (class, [(field, type, default)])
     "flush": ("Flush", [("namespace", "str", "")]),
     "ping": ("Ping", []),
     "bye": ("Bye", []),
+    "cancel": ("Cancel", [("request", "int", M)]),
     "welcome": ("Welcome", [("version", "int", M), ("client_id", "int", M), ("heartbeat_s", "float", M),
-                            ("max_message", "int", M)]),
+                            ("max_message", "int", M), ("daemon_pid", "int", 0)]),
     "regd": ("Registered", [("reg", "int", M), ("namespace_id", "int", M), ("block_bytes", "int", M),
                             ("num_blocks", "int", M)]),
     "hits": ("Hits", [("hits", "int", M)]),
@@ -48,7 +49,7 @@ CODES = {  # value: (name, side)
     1: ("BAD_MESSAGE", "client"), 2: ("UNKNOWN_OP", "client"), 3: ("BAD_ARGUMENT", "client"),
     4: ("NO_SPACE", "daemon"), 5: ("UNKNOWN_NAMESPACE", "client"), 6: ("INTERNAL", "daemon"),
     7: ("VERSION_MISMATCH", "client"), 8: ("NOT_CONNECTED", "client"), 9: ("TOO_LARGE", "client"),
-    10: ("UNAUTHORIZED", "client"), 11: ("SHUTTING_DOWN", "daemon"),
+    10: ("UNAUTHORIZED", "client"), 11: ("SHUTTING_DOWN", "daemon"), 12: ("CANCELLED", "daemon"),
 }
 
 

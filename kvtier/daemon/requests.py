@@ -1,0 +1,128 @@
+"""What the daemon does for each request: one table keyed by message type.
+
+``RequestHandlers.table[type(msg)](client, msg, ...)`` returns the reply, or
+``None`` when a copy answers later. Expected failures raise ``DaemonError``;
+the server's single dispatch point turns every exception into an error reply.
+Which messages are requests at all is the protocol's business
+(``messages.REQUESTS``); which may come before HELLO or while draining is
+decided here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..pool.allocator import IntegrityError
+from ..pool.index import BlockIndex
+from ..pool.swap import SwapTable
+from ..protocol import messages as m
+from ..protocol.errors import ErrorCode
+from .copies import CopyRunner
+from .ops import LoadOp, OffloadOp, RestoreOp, StoreOp, check_keys
+from .sessions import Sessions
+from .state import ClientState, DaemonError
+
+log = logging.getLogger("kvtier.daemon")
+
+REFUSED_WHILE_DRAINING = frozenset({m.Hello, m.Register, m.Lookup, m.Store, m.Load, m.Offload, m.Restore})
+"""New work gets SHUTTING_DOWN at once during a drain; pings, cancels, stats
+and BYE are still served so clients can tell "draining" from "gone"."""
+
+
+class RequestHandlers:
+    def __init__(self, sessions: Sessions, copies: CopyRunner, index: BlockIndex, swap: SwapTable,
+                 stats: Callable[[], dict]):
+        self.sessions, self.copies, self.index, self.swap = sessions, copies, index, swap
+        self.stats = stats
+        self.table: dict[type, Callable] = {
+            m.Hello: self.hello, m.Ping: self.ping, m.Bye: self.bye,
+            m.Register: self.register, m.Unregister: self.unregister,
+            m.Lookup: self.lookup, m.Store: self.store, m.Load: self.load,
+            m.Offload: self.offload, m.Restore: self.restore, m.Discard: self.discard,
+            m.Cancel: self.cancel, m.Stats: self.stats_request, m.Flush: self.flush,
+        }
+        assert set(self.table) == m.REQUESTS, "every request needs a handler"
+
+    # ---- session ----------------------------------------------------------------------
+    def hello(self, client, msg: m.Hello, identity: bytes, req_id: int):
+        return self.sessions.hello(identity, msg)
+
+    def ping(self, client, msg, identity, req_id):
+        return m.Ok()
+
+    def bye(self, client: ClientState, msg, identity, req_id):
+        self.sessions.reap(client, "bye")
+        return m.Ok()
+
+    def register(self, client: ClientState, msg: m.Register, identity, req_id):
+        return self.sessions.register(client, msg)
+
+    def unregister(self, client: ClientState, msg: m.Unregister, identity, req_id):
+        self.sessions.close_registration(self.sessions.registration(client, msg.reg))
+        return m.Ok()
+
+    # ---- prefix cache and swap: copies answer later ------------------------------------
+    def lookup(self, client: ClientState, msg: m.Lookup, identity, req_id):
+        reg = self.sessions.registration(client, msg.reg)
+        return m.Hits(self.index.lookup(reg.ns, check_keys(msg.hashes)))
+
+    def store(self, client: ClientState, msg: m.Store, identity, req_id):
+        reg = self.sessions.registration(client, msg.reg)
+        return self._run(StoreOp.prepare(self.index, client, reg, req_id, msg))
+
+    def load(self, client: ClientState, msg: m.Load, identity, req_id):
+        reg = self.sessions.registration(client, msg.reg)
+        return self._run(LoadOp.prepare(self.index, client, reg, req_id, msg))
+
+    def offload(self, client: ClientState, msg: m.Offload, identity, req_id):
+        reg = self.sessions.registration(client, msg.reg)
+        return self._run(OffloadOp.prepare(self.swap, client, reg, req_id, msg))
+
+    def restore(self, client: ClientState, msg: m.Restore, identity, req_id):
+        reg = self.sessions.registration(client, msg.reg)
+        return self._run(RestoreOp.prepare(self.swap, client, reg, req_id, msg))
+
+    def _run(self, prepared):
+        """An op starts its copy (reply later); a reply means nothing to copy."""
+        if isinstance(prepared, m.TransferDone):
+            return prepared
+        self.copies.start(prepared)
+        return None
+
+    def discard(self, client: ClientState, msg: m.Discard, identity, req_id):
+        self.sessions.registration(client, msg.reg)
+        if not self.swap.discard(client.id, msg.request):
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"no swapped request {msg.request[:64]!r}")
+        return m.Ok()
+
+    def cancel(self, client: ClientState, msg: m.Cancel, identity, req_id):
+        """Stop one of this client's transfers. Ok at once; the transfer's own
+        reply follows when its copy has stopped (or had already finished)."""
+        op = client.ops.get(msg.request)
+        if op is not None:
+            self.copies.cancel(op, "cancelled by the client")
+        return m.Ok()
+
+    # ---- management --------------------------------------------------------------------
+    def stats_request(self, client, msg: m.Stats, identity, req_id):
+        stats = self.stats()
+        if msg.check:
+            try:
+                self.index.check_integrity()
+                self.swap.check_integrity()
+                stats["integrity"] = "ok"
+            except IntegrityError as exc:
+                log.error("integrity check failed: %s", exc)
+                stats["integrity"] = str(exc)
+        return m.StatsReply(stats)
+
+    def flush(self, client, msg: m.Flush, identity, req_id):
+        ns = None
+        if msg.namespace:
+            ns = self.index.namespaces.get(msg.namespace)
+            if ns is None:
+                raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"no namespace {msg.namespace!r}")
+        removed = self.index.flush(ns)
+        log.info("flush %s: %d blocks removed", msg.namespace or "(all)", removed)
+        return m.Flushed(removed)

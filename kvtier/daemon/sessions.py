@@ -1,0 +1,159 @@
+"""Clients and their registrations: HELLO, REGISTER, and reaping.
+
+A client is reaped when its process exited (pid and start time checked), when
+it stayed silent past ``reap_after_s``, at BYE, at a second HELLO on the same
+connection, and at shutdown. Reaping cancels its transfers (each is still
+answered once its copy stopped), frees its swap, and closes its
+registrations; a registration's mappings go when its last copy returned.
+
+Primitives: ``Sessions.hello(identity, msg)``, ``.register(client, msg)``,
+``.registration(client, reg_id)``, ``.close_registration(reg)``,
+``.release_if_idle(reg)``, ``.reap(client, why)``, ``.reap_dead()``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from collections import Counter
+from typing import Callable
+
+from ..pool.index import BlockIndex
+from ..pool.segment import pid_of, unlink_segment
+from ..pool.swap import SwapTable
+from ..protocol import messages as m
+from ..protocol.errors import ErrorCode
+from ..transfer.layout import KVLayout
+from ..transfer.shm import KV_PREFIX, SpecError, open_specs
+from .config import DaemonConfig
+from .state import ClientState, DaemonError, Registration, process_start
+
+log = logging.getLogger("kvtier.daemon")
+MAX_REGISTRATIONS = 64
+
+
+class Sessions:
+    def __init__(self, settings: Callable[[], DaemonConfig], index: BlockIndex, swap: SwapTable,
+                 cancel: Callable[[object, str], None], counters: Counter, gpu=None):
+        self.settings, self.index, self.swap, self.cancel = settings, index, swap, cancel
+        self.counters, self.gpu = counters, gpu
+        self.clients: dict[bytes, ClientState] = {}
+        self._next_client = self._next_reg = 0
+
+    # ---- HELLO / BYE -------------------------------------------------------------------
+    def hello(self, identity: bytes, msg: m.Hello) -> m.Welcome:
+        config = self.settings()
+        if msg.version != m.PROTOCOL_VERSION:
+            raise DaemonError(ErrorCode.VERSION_MISMATCH, f"client speaks v{msg.version}, daemon v{m.PROTOCOL_VERSION}")
+        if config.token and not hmac.compare_digest(msg.token.encode(), config.token.encode()):
+            raise DaemonError(ErrorCode.UNAUTHORIZED, "bad or missing token")
+        old = self.clients.get(identity)
+        if old is not None:  # HELLO again on the same connection: start over
+            self.reap(old, "re-hello")
+        # pid <= 0: a remote (TCP) client; only its heartbeat proves it alive.
+        start = process_start(msg.pid) if msg.pid > 0 else None
+        self._next_client += 1
+        c = ClientState(self._next_client, identity, msg.pid, msg.name[:128], start, swap_quota=config.swap_quota)
+        self.clients[identity] = c
+        log.info("client %d connected: pid=%d name=%r", c.id, c.pid, c.name)
+        return m.Welcome(m.PROTOCOL_VERSION, c.id, config.heartbeat_s, config.max_message, os.getpid())
+
+    # ---- registrations -----------------------------------------------------------------
+    def register(self, client: ClientState, msg: m.Register) -> m.Registered:
+        if not 0 < len(msg.namespace) <= 1024:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "namespace fingerprint must be 1..1024 chars")
+        if not 1 <= msg.block_factor <= 1024:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "block_factor must be in [1, 1024]")
+        if len(client.regs) >= MAX_REGISTRATIONS:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many registrations for one client")
+        try:
+            tensors, dims, segments = open_specs(msg.tensors, gpu_uuids=self.gpu.uuids if self.gpu else None)
+        except SpecError as exc:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
+        device = getattr(segments[0], "gpu_device", None)  # set only on CUDA mappings
+        error = None
+        try:
+            layout = KVLayout(tensors, dims, msg.block_factor)
+            ns = self.index.namespace(msg.namespace, layout.block_bytes)
+            copier = self.gpu.engine(layout, device) if device is not None else None
+        except (ValueError, RuntimeError) as exc:  # RuntimeError: CUDA refused the stream/event
+            error = (ErrorCode.BAD_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL, str(exc))
+        if error is not None:  # outside the except: its traceback holds tensor views
+            del tensors
+            layout = None
+            for seg in segments:
+                seg.close()
+            raise DaemonError(*error)
+        self._next_reg += 1
+        reg = Registration(self._next_reg, client, ns, layout, segments, copier)
+        client.regs[reg.id] = reg
+        if msg.swap_quota >= 0:
+            client.swap_quota = msg.swap_quota
+        log.info("client %d registered cache %d: namespace=%r block=%d bytes x %d blocks",
+                 client.id, reg.id, ns.fingerprint, layout.block_bytes, layout.num_blocks)
+        return m.Registered(reg.id, ns.id, layout.block_bytes, layout.num_blocks)
+
+    @staticmethod
+    def registration(client: ClientState, reg_id: int) -> Registration:
+        reg = client.regs.get(reg_id)
+        if reg is None or reg.closing:
+            raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"cache {reg_id} is not registered by this client")
+        return reg
+
+    def close_registration(self, reg: Registration) -> None:
+        reg.closing = True
+        self.release_if_idle(reg)
+
+    @staticmethod
+    def release_if_idle(reg: Registration) -> None:
+        """Unmap a closing registration once no copy uses it any more."""
+        if not reg.closing or reg.inflight:
+            return
+        reg.client.regs.pop(reg.id, None)
+        reg.copier = None
+        reg.layout = None  # drop every tensor view before unmapping (CUDA: closes the IPC mapping)
+        for seg in reg.segments:
+            try:
+                seg.close(unlink=False)
+            except BufferError:
+                log.error("segment %s still has live views; leaving it mapped", seg.name)
+        reg.segments = []
+
+    # ---- reaping -------------------------------------------------------------------------
+    def reap_dead(self) -> None:
+        now, limit = time.monotonic(), self.settings().reap_after_s
+        for c in list(self.clients.values()):
+            try:
+                if not c.process_alive():
+                    self.reap(c, "process exited")
+                elif now - c.last_seen > limit:
+                    self.reap(c, f"silent for {now - c.last_seen:.1f}s")
+            except Exception:  # one odd entry must not stop every other client's reaping
+                log.exception("reaping client %d failed; dropping it", c.id)
+                self.clients.pop(c.identity, None)
+
+    def reap(self, c: ClientState, why: str) -> None:
+        """Forget a client: cancel its copies, free its swap, close its caches."""
+        self.clients.pop(c.identity, None)
+        caches = len(c.regs)
+        for op in list(c.ops.values()):
+            self.cancel(op, "client " + why)
+        for reg in list(c.regs.values()):
+            self.close_registration(reg)
+        n = self.swap.release_owner(c.id)
+        if n:
+            log.info("client %d: freed %d swapped requests", c.id, n)
+        self.counters["reaped"] += why not in ("bye", "re-hello")
+        log.info("client %d (pid %d) %s: released %d caches", c.id, c.pid,
+                 "disconnected" if why == "bye" else f"reaped ({why})", caches)
+        if why == "process exited":
+            unlink_segments_of(c.pid)
+
+
+def unlink_segments_of(pid: int) -> None:
+    """A dead worker's KV segments: nobody else will ever unlink them."""
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(KV_PREFIX) and pid_of(name[len(KV_PREFIX) - 1:]) == pid:
+            unlink_segment("/" + name)
