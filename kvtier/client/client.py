@@ -60,7 +60,7 @@ class Client:
         self.block_factor = 1
         self.reconnects = 0
         self._ipc_event = None  # CUDA: the event recorded on the caller's stream for fences
-        self._events: dict = {}  # CUDA: daemon events opened from their IPC handles
+        self._events = None  # CUDA: daemon events opened from their IPC handles (EventCache)
         self._closed = False
         try:
             self._open_session(self.timeout)
@@ -289,9 +289,8 @@ class Client:
         except DaemonUnavailable as exc:  # never sent: nothing can touch the blocks
             self._lose_session(str(exc))
             return TransferHandle(self.channel, 0, count, deadline, failed_all(count, str(exc), names), names)
-        handle = TransferHandle(self.channel, req_id, count, deadline, None, names, tuple(block_ids))
-        handle._open_event = self.open_event
-        return handle
+        return TransferHandle(self.channel, req_id, count, deadline, None, names, tuple(block_ids),
+                              self.open_event)
 
     def _fence(self, event, stream) -> bytes:
         """IPC handle of the worker event the daemon must wait on (b"" = none)."""
@@ -307,8 +306,10 @@ class Client:
 
     def open_event(self, handle: bytes, device):
         """The daemon's interprocess event for ``handle``, opened once."""
-        from ..transfer.events import open_event
-        return open_event(self._events, handle, device)
+        if self._events is None:
+            from ..transfer.events import EventCache
+            self._events = EventCache(64)  # the daemon hands out up to 32 per registration
+        return self._events.open(handle, device)
 
     # ---- heartbeat ----------------------------------------------------------------------
     def _heartbeat(self) -> None:

@@ -50,13 +50,13 @@ class TransferHandle:
 
     def __init__(self, channel: "Channel | None", req_id: int, count: int, deadline: float,
                  result: TransferResult | None = None, names: tuple[str, ...] = (),
-                 blocks: tuple[int, ...] = ()):
+                 blocks: tuple[int, ...] = (), open_event=None):
         self._channel, self._req_id, self._count = channel, req_id, count
         self._deadline, self._result, self._names = deadline, result, names
         self._blocks = blocks
         self._cancelled = False
         self._event = b""  # CUDA load: the daemon's "copy finished" event
-        self._open_event = None
+        self._open_event = open_event  # CUDA: handle -> the daemon's event, opened once
 
     @property
     def held_blocks(self) -> tuple[int, ...]:

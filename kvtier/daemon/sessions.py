@@ -26,7 +26,9 @@ from ..pool.swap import SwapTable
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from ..transfer.layout import KVLayout
-from ..transfer.shm import KV_PREFIX, SpecError, open_specs
+from ..transfer.mapping import open_specs
+from ..transfer.shm import KV_PREFIX
+from ..transfer.specs import SpecError
 from .config import DaemonConfig
 from .state import ClientState, DaemonError, Registration, process_start
 

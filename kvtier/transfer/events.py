@@ -1,18 +1,21 @@
-"""Interprocess CUDA events for the worker side of the fences.
+"""Interprocess CUDA events, both sides of the fences.
 
-One event per client is enough for the worker -> daemon fence: re-recording
-it before the daemon waits only makes the daemon wait for later work, never
-for less. The event must outlive the daemon's use of its handle, so the
-client keeps it for its whole life.
+The engine records one interprocess event per client on its stream
+(``record_on``): re-recording it before the daemon waits only makes the
+daemon wait for later work, never for less. Events received as IPC handles
+are opened once and kept in an ``EventCache`` (bounded, least recently used
+out): the daemon's copy engine caches the workers' events, the client caches
+the daemon's "copy finished" events.
 
-Primitives: ``record_on(stream, event)``, ``open_event(cache, handle, device)``.
+Primitives: ``record_on(stream, event)``, ``EventCache(limit).open(handle, device)``.
 """
 
 from __future__ import annotations
 
-import torch
+import threading
+from collections import OrderedDict
 
-MAX_OPEN = 64  # the daemon hands out up to 32 distinct events per registration
+import torch
 
 
 def record_on(stream, event=None):
@@ -23,11 +26,22 @@ def record_on(stream, event=None):
     return event
 
 
-def open_event(cache: dict, handle: bytes, device):
-    """The event behind ``handle`` on ``device``, opened once and kept in ``cache``."""
-    ev = cache.get(handle)
-    if ev is None:
-        if len(cache) >= MAX_OPEN:
-            cache.pop(next(iter(cache)))
-        ev = cache[handle] = torch.cuda.Event.from_ipc_handle(device, handle)
-    return ev
+class EventCache:
+    """Events opened from IPC handles, at most ``limit`` kept. Thread-safe."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def open(self, handle: bytes, device) -> torch.cuda.Event:
+        with self._lock:
+            ev = self._events.get(handle)
+            if ev is None:
+                ev = torch.cuda.Event.from_ipc_handle(device, handle)
+                self._events[handle] = ev
+                while len(self._events) > self.limit:
+                    self._events.popitem(last=False)
+            else:
+                self._events.move_to_end(handle)
+            return ev

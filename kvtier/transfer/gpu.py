@@ -34,12 +34,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 
 import torch
 
 from .copier import MethodChooser, RunCopier
-from .cuda import local_uuids
+from .events import EventCache
+from .mapping import local_uuids
 from .pinning import PinnedPool
 from .runs import Geometry
 
@@ -87,7 +87,7 @@ class CudaCopyEngine:
         self.stream = torch.cuda.Stream(device=device)
         self._ring: list = [None] * DONE_RING
         self._next = 0
-        self._events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        self._events = EventCache(MAX_OPEN_EVENTS)
         self._lock = threading.Lock()
 
     def copy(self, pool: torch.Tensor, pairs, to_pool: bool, wait_handle: bytes = b"",
@@ -154,16 +154,7 @@ class CudaCopyEngine:
 
     def _imported(self, handle: bytes) -> torch.cuda.Event:
         """The worker's interprocess event, opened once per handle."""
-        with self._lock:
-            ev = self._events.get(handle)
-            if ev is None:
-                ev = torch.cuda.Event.from_ipc_handle(self.device, handle)
-                self._events[handle] = ev
-                while len(self._events) > MAX_OPEN_EVENTS:
-                    self._events.popitem(last=False)
-            else:
-                self._events.move_to_end(handle)
-            return ev
+        return self._events.open(handle, self.device)
 
 
 def wait_event_on_host(event, timeout: float, cancelled: threading.Event | None = None) -> None:

@@ -19,18 +19,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-DTYPES = {name: getattr(torch, name) for name in (
-    "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64",
-    "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}")
-
-
 class KVLayout:
     """Byte geometry of a registered cache plus the copy routine."""
 

@@ -20,9 +20,9 @@ from kvtier.protocol import messages as m
 from kvtier.protocol.codec import decode, encode
 from kvtier.protocol.errors import ErrorCode
 from kvtier.transfer.copier import MethodChooser
-from kvtier.transfer.cuda import check_cuda_spec, device_index, normalize_uuid, open_cuda_specs
+from kvtier.transfer.mapping import check_cuda_spec, device_index, open_cuda_specs, open_specs
+from kvtier.transfer.specs import SpecError, normalize_uuid
 from kvtier.transfer.pinning import DL_CPU, chunk_ranges, dlpack_view
-from kvtier.transfer.shm import SpecError, open_specs
 from kvtier.transfer.worker import CopyWorker
 from tests.conftest import REPO
 from tests.helpers import NS, make_kv
@@ -154,7 +154,7 @@ def test_event_fields_default_so_old_frames_still_decode():
 
 def test_cpu_installs_never_import_the_cuda_modules():
     code = ("import sys, kvtier.daemon.server, kvtier.client, kvtier.cli;"
-            "from kvtier.transfer.shm import open_specs;"
+            "from kvtier.transfer.mapping import open_specs;"
             "bad = [n for n in ('kvtier.transfer.cuda', 'kvtier.transfer.gpu', 'kvtier.transfer.pinning')"
             " if n in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": REPO})

@@ -1,0 +1,166 @@
+"""Daemon side: validate an engine's tensor specs and map its memory.
+
+``open_specs`` checks every spec before touching memory (a bad spec is the
+client's fault: ``SpecError``), then maps shared-memory segments (``shm``)
+or imports CUDA IPC storages (``cuda``, imported only when such a spec
+arrives, so CPU daemons never load CUDA code). The returned mappings own the
+memory: dropping them, with every tensor view, unmaps it.
+
+Primitives: ``open_specs(specs, max_tensors, gpu_uuids)``, ``open_cuda_specs``,
+``check_cuda_spec``, ``device_index``, ``local_uuids``, ``CudaMapping``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..pool.segment import ShmSegment
+from .shm import KV_PREFIX
+from .specs import SpecError, check_geometry, extent_bytes, is_int, normalize_uuid
+
+MAX_HANDLE = 4096  # bytes; a CUDA IPC handle is 64, torch adds a little framing
+
+
+def open_specs(specs: list, max_tensors: int = 4096, gpu_uuids: list[str] | None = None) -> tuple[list, list[int], list]:
+    """Daemon side: map each spec's segment (once per name) and build the tensors.
+
+    CUDA specs go to ``cuda.open_cuda_specs`` (imported only then, so CPU
+    daemons never load CUDA code); ``gpu_uuids`` is the daemon's device table,
+    None without a CUDA data path. One registration uses one kind."""
+    if not isinstance(specs, list) or not 0 < len(specs) <= max_tensors:
+        raise SpecError(f"tensors must be a list of 1..{max_tensors} specs")
+    kinds = {s.get("kind", "shm") if isinstance(s, dict) else None for s in specs}
+    if "cuda" in kinds:
+        if kinds != {"cuda"}:
+            raise SpecError("a registration must not mix cuda and shm tensors")
+        return open_cuda_specs(specs, gpu_uuids, max_tensors)
+    segments: dict[str, ShmSegment] = {}
+    tensors, dims = [], []
+    try:
+        for i, spec in enumerate(specs):
+            seg_name, offset, dtype, shape, stride, block_dim = _check(spec, i)
+            if seg_name not in segments:
+                if not seg_name.lstrip("/").startswith(KV_PREFIX) or "/" in seg_name.lstrip("/"):
+                    raise SpecError(f"tensor {i}: segment name must start with /{KV_PREFIX}")
+                try:
+                    segments[seg_name] = ShmSegment(seg_name, populate=False)
+                except Exception as exc:
+                    raise SpecError(f"tensor {i}: cannot open {seg_name}: {exc}") from None
+            seg = segments[seg_name]
+            es = torch.empty((), dtype=dtype).element_size()
+            extent = extent_bytes(shape, stride, es)
+            if offset % es or offset + extent > seg.size:
+                raise SpecError(f"tensor {i}: bytes [{offset}, {offset + extent}) outside "
+                                f"segment of {seg.size} bytes or misaligned")
+            base = torch.frombuffer(seg.buffer, dtype=torch.uint8)
+            count = (seg.size - offset) // es
+            tensors.append(base[offset:offset + count * es].view(dtype).as_strided(shape, stride))
+            dims.append(block_dim)
+    except BaseException:
+        tensors.clear()
+        base = None  # the last view: a segment cannot be unmapped under it
+        for seg in segments.values():
+            seg.close()
+        raise
+    return tensors, dims, list(segments.values())
+
+
+def _check(spec, i):
+    if not isinstance(spec, dict) or spec.get("kind", "shm") != "shm":
+        raise SpecError(f"tensor {i}: expected a shm tensor spec")
+    seg, offset = spec.get("seg"), spec.get("offset")
+    if not isinstance(seg, str) or not 0 < len(seg) < 256:
+        raise SpecError(f"tensor {i}: seg must be a segment name")
+    if not is_int(offset) or offset < 0:
+        raise SpecError(f"tensor {i}: offset must be an int >= 0")
+    return (seg, offset, *check_geometry(spec, i))
+
+
+def device_index(uuid: str, table: list[str]) -> int:
+    """Local index of the device with ``uuid`` in ``table`` (local UUIDs by index)."""
+    want = normalize_uuid(uuid)
+    for i, u in enumerate(table):
+        if normalize_uuid(u) == want:
+            return i
+    raise SpecError(f"GPU {uuid} is not visible to the daemon (it sees {len(table)} devices; "
+                    "check the daemon's CUDA_VISIBLE_DEVICES)")
+
+
+def local_uuids() -> list[str]:
+    return [normalize_uuid(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def check_cuda_spec(spec, i: int) -> dict:
+    """Validate one CUDA spec (pure: no CUDA needed); returns its fields."""
+    if not isinstance(spec, dict) or spec.get("kind") != "cuda":
+        raise SpecError(f"tensor {i}: expected a cuda tensor spec")
+    ipc, uuid, offset = spec.get("ipc"), spec.get("device_uuid"), spec.get("storage_offset")
+    if not isinstance(uuid, str) or not 0 < len(uuid) <= 128:
+        raise SpecError(f"tensor {i}: device_uuid must be a device UUID string")
+    dtype, shape, stride, block_dim = check_geometry(spec, i)
+    if not is_int(offset) or offset < 0:
+        raise SpecError(f"tensor {i}: storage_offset must be an int >= 0")
+    if not isinstance(ipc, dict):
+        raise SpecError(f"tensor {i}: ipc must be a map of the storage's IPC fields")
+    for key in ("handle", "ref_handle"):
+        if not isinstance(ipc.get(key), bytes) or not 0 < len(ipc[key]) <= MAX_HANDLE:
+            raise SpecError(f"tensor {i}: ipc.{key} must be non-empty bytes")
+    if not isinstance(ipc.get("event", b""), bytes) or len(ipc.get("event", b"")) > MAX_HANDLE:
+        raise SpecError(f"tensor {i}: ipc.event must be bytes")
+    for key in ("size", "offset", "ref_offset"):
+        if not is_int(ipc.get(key)) or ipc[key] < 0:
+            raise SpecError(f"tensor {i}: ipc.{key} must be an int >= 0")
+    es = torch.empty((), dtype=dtype).element_size()
+    extent = extent_bytes(shape, stride, es)
+    if offset * es + extent > ipc["size"]:
+        raise SpecError(f"tensor {i}: bytes [{offset * es}, {offset * es + extent}) outside its "
+                        f"storage of {ipc['size']} bytes")
+    return {"uuid": uuid, "dtype": dtype, "shape": shape, "stride": stride, "offset": offset,
+            "block_dim": block_dim, "ipc": ipc}
+
+
+class CudaMapping:
+    """Daemon side: the imported storages of one registration.
+
+    ``gpu_device`` marks a registration as CUDA for the daemon; ``close``
+    drops the storages, and once every view is gone too the IPC mapping is
+    closed (torch closes it when the last reference to the storage dies)."""
+
+    def __init__(self, device: int, storages: list):
+        self.gpu_device = device
+        self.name = f"cuda:{device} ({len(storages)} storages)"
+        self._storages = storages
+
+    def close(self, unlink: bool = False) -> None:
+        self._storages = []
+
+
+def open_cuda_specs(specs: list, uuids: list[str] | None, max_tensors: int = 4096):
+    """Daemon side: ``(tensors, block_dims, [CudaMapping])``. ``uuids`` is the
+    daemon's device table, or None when it has no CUDA data path."""
+    if not isinstance(specs, list) or not 0 < len(specs) <= max_tensors:
+        raise SpecError(f"tensors must be a list of 1..{max_tensors} specs")
+    checked = [check_cuda_spec(s, i) for i, s in enumerate(specs)]
+    if uuids is None:
+        raise SpecError("this daemon has no CUDA data path (no CUDA device, or gpu = off); "
+                        "register CPU caches (ShmKVCache) instead")
+    devices = {device_index(c["uuid"], uuids) for c in checked}
+    if len(devices) != 1:
+        raise SpecError("all tensors of one registration must be on one GPU")
+    device = devices.pop()
+    storages: dict[tuple[bytes, int], object] = {}
+    tensors = []
+    torch.cuda.init()
+    for i, c in enumerate(checked):
+        ipc = c["ipc"]
+        key = (ipc["handle"], ipc["offset"])
+        if key not in storages:
+            try:
+                storages[key] = torch.UntypedStorage._new_shared_cuda(
+                    device, ipc["handle"], ipc["size"], ipc["offset"], ipc["ref_handle"],
+                    ipc["ref_offset"], ipc.get("event", b""), bool(ipc.get("event_sync", False)))
+            except Exception as exc:  # a stale or foreign handle is the client's problem
+                raise SpecError(f"tensor {i}: cannot map its CUDA IPC handle: {exc}") from None
+        t = torch.empty(0, dtype=c["dtype"], device=f"cuda:{device}")
+        tensors.append(t.set_(storages[key], c["offset"], c["shape"], c["stride"]))
+    return tensors, [c["block_dim"] for c in checked], [CudaMapping(device, list(storages.values()))]
