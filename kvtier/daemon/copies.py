@@ -90,6 +90,8 @@ class Copies:
                           len(op.bad), op.client.id)
                 self.errors["CHECKSUM"] += len(op.bad)
             failed = self.complete_plan(op, error is not None)
+            if op.kind == "store" and self.remote is not None:  # remote tier hook: write-behind
+                self.remote.committed(op.plan)
             self.counters[op.kind + "_bytes"] += 0 if error else op.nbytes
             self.counters[op.kind + "s"] += 1
             if op.client.identity in self.clients and op.client is self.clients[op.client.identity]:

@@ -94,7 +94,11 @@ class Handlers:
     def on_lookup(self, identity, client, req_id, msg: m.Lookup):
         reg = self.registration(client, msg.reg)
         keys = self.keys(msg.hashes)
-        return m.Hits(self.index.lookup(reg.ns, keys))
+        hits = self.index.lookup(reg.ns, keys)
+        # remote tier hook: the local prefix ended early; the store may hold the rest of the chain
+        if self.remote is not None and self.remote.lookup(identity, req_id, reg.ns, keys, hits):
+            return None
+        return m.Hits(hits)
 
     def on_store(self, identity, client, req_id, msg: m.Store):
         reg = self.registration(client, msg.reg)
@@ -123,6 +127,9 @@ class Handlers:
         if msg.skip and not keys:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "skip needs at least one hash")
         ids = self.engine_ids(reg, msg.blocks, len(keys) * k - msg.skip)
+        # remote tier hook: blocks missing here are fetched into the pool first, then this runs again
+        if self.remote is not None and self.remote.load(identity, req_id, msg, reg.ns, keys):
+            return None
         plan = self.index.prepare_load(reg.ns, keys)
         offsets = [e.offset if e is not None else None for e in plan.entries]
         pairs = reg.layout.pairs(offsets, ids, msg.skip)

@@ -60,6 +60,7 @@ class Daemon(Handlers, Copies, StatsMixin, Housekeeping):
         self.counters: Counter = Counter()
         self.errors: Counter = Counter()
         self._stop = False
+        self.remote = None
         self._lock_fd = self._take_socket_lock()
         self.notifier.status("removing stale shared memory")
         for prefix in (POOL_PREFIX, KV_PREFIX):
@@ -82,6 +83,7 @@ class Daemon(Handlers, Copies, StatsMixin, Housekeeping):
         self.worker = CopyWorker(config.copy_threads)
         self.notifier.status(f"binding {config.socket}")
         self._bind()
+        self.remote = self._start_remote()  # remote tier hook: None when config.remote is off
         try:
             self.start_metrics()
         except OSError as exc:
@@ -134,6 +136,16 @@ class Daemon(Handlers, Copies, StatsMixin, Housekeeping):
         log.info("CUDA data path on %d device(s); pinning the pool in %s chunks",
                  len(ctx.uuids), format_size(chunk))
         return ctx
+
+    def _start_remote(self):
+        # remote tier hook: the bridge answers some lookups/loads later, via _send / handle
+        from ..remote.bridge import open_remote
+        try:
+            return open_remote(self.config, self.segment.buffer, self.index, self._send, self.handle,
+                               self.crcs if self.config.checksums else None)
+        except ImportError as exc:
+            self.shutdown()
+            raise StartupError(str(exc)) from None
 
     def _abort_start(self, why: str):
         self.pool = None  # the tensor over the mapping must go before the unmap
@@ -194,6 +206,8 @@ class Daemon(Handlers, Copies, StatsMixin, Housekeeping):
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.worker.wakeup_fd, zmq.POLLIN)
         poller.register(self._sig_r, zmq.POLLIN)
+        if self.remote is not None:  # remote tier hook: its completions wake the loop
+            poller.register(self.remote.wakeup_fd, zmq.POLLIN)
         if ready:
             ready()
         next_reap = next_sweep = time.monotonic()
@@ -206,6 +220,8 @@ class Daemon(Handlers, Copies, StatsMixin, Housekeeping):
                         self._read_requests()
                     if self.worker.wakeup_fd in events:
                         self._finish_copies()
+                    if self.remote is not None and self.remote.wakeup_fd in events:
+                        self.remote.poll()  # remote tier hook: probes, fetches, write-behind done
                     if time.monotonic() >= next_reap:
                         next_reap = time.monotonic() + self.config.reap_interval_s
                         self.reap_dead()
@@ -368,6 +384,8 @@ class Daemon(Handlers, Copies, StatsMixin, Housekeeping):
         for c in list(self.clients.values()):
             self.reap(c, "daemon shutdown")
         self.worker.close()
+        if self.remote is not None:  # remote tier hook: its threads write into the pool
+            self.remote.close()
         self.router.close(0)
         if self.pub is not None:
             self.pub.close(0)

@@ -51,6 +51,8 @@ class StatsMixin:
             "errors": dict(self.errors),
             "latency": self.latency.snapshot(),
             "gpu": self.gpu.stats() if self.gpu is not None else {"enabled": False},
+            # remote tier hook
+            "remote": self.remote.stats() if self.remote is not None else {"enabled": False},
         }
 
     def _pin_stats(self) -> dict:
