@@ -128,6 +128,9 @@ class RedisStore:
         results = self._run(lambda pipe: [pipe.get(k) for k in keys])
         return [res if isinstance(res, bytes) else None for res in results]
 
+    def delete(self, keys: list[bytes]) -> None:
+        self._run(lambda pipe: [pipe.delete(k) for k in keys])
+
     def set(self, items: list[tuple[bytes, bytes]], ttl_s: float) -> list[str | None]:
         """SET each (key, value) with a TTL; per item None or why the server refused it."""
         ms = max(1, int(ttl_s * 1000))

@@ -61,7 +61,7 @@ class RemoteTier:
         self.settings = settings
         self.pool = memoryview(pool).cast("B")
         self.clock = clock
-        self.breaker = Breaker(cooldown=min(1.0, 4 * settings.timeout_s))
+        self.breaker = Breaker(cooldown=min(1.0, 4 * settings.timeout_s), max_cooldown=5.0)
         self.lock = threading.Lock()        # breaker, counters, queued bytes
         self.counters: Counter = Counter()
         self.last_error = ""
@@ -278,6 +278,7 @@ class RemoteTier:
     def _fetch_one(self, store: RedisStore, job: Job) -> None:
         per = max(1, self.settings.batch_bytes // max(1, job.size))
         tally: Counter = Counter()
+        rejected = []  # keys whose values failed verification: nobody should be offered them again
         for start in range(0, len(job.keys), per):
             chunk = range(start, min(start + per, len(job.keys)))
             if self.breaker.state != CLOSED:
@@ -296,6 +297,7 @@ class RemoteTier:
                     job.failed.append(i)
                     tally["missing" if verdict.status == v.MISSING else "corrupt"] += 1
                     if verdict.status != v.MISSING:
+                        rejected.append(v.remote_key(job.ns, job.keys[i]))
                         log.error("remote block %s of %s rejected: %s (%s)", job.keys[i].hex(),
                                   job.ns.short.decode(), verdict.status, verdict.why)
                     continue
@@ -304,6 +306,11 @@ class RemoteTier:
                 job.crcs.append((off, verdict.crc))
                 tally["fetched"] += 1
             del got
+        if rejected:
+            try:  # best effort: a writer may race us, and a good value lost is only a cache miss
+                self._call(store.delete, rejected)
+            except Unreachable:
+                pass
         tally.update(fetches=1, fetched_bytes=tally["fetched"] * job.size, fetch_failed=len(job.failed))
         with self.lock:
             self.counters.update(tally)

@@ -110,6 +110,9 @@ def test_missing_corrupt_and_foreign_values_are_reported_failed_and_never_copied
     s = t.stats()
     assert (s["fetched"], s["corrupt"], s["missing"], s["fetch_failed"]) == (1, 2, 1, 3)
     assert pool[:SIZE] != fill[:SIZE] and pool[SIZE:] == fill[SIZE:]
+    # The rejected values are deleted: a later probe no longer offers them.
+    assert t.probe(FP, keys, "p")
+    assert wait_jobs(t, 1)[0].hits == 1
 
 
 def test_values_expire_after_the_ttl_and_the_budget_caps_what_one_node_writes(make_tier, cluster):
