@@ -5,6 +5,7 @@ without the remote tier."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -194,3 +195,35 @@ def test_with_redis_killed_both_nodes_serve_locally_and_recover_when_it_is_back(
     hits, result, got = lookup_and_load(b, third)
     assert hits == 12 and result.ok and got == expected
     assert remote_stats(b)["remote_hits"] == 12
+
+
+def test_status_and_metrics_show_the_remote_tier_up_or_down(daemon_factory, cluster, capsys):
+    """`kvtier status` has a remote line and Prometheus the remote series; a node whose
+    cluster is unreachable from the start serves locally and says the tier is down."""
+    from kvtier.cli import main
+    from tests.daemon.test_metrics import free_port, scrape_until
+
+    port = free_port()
+    up = node(daemon_factory, cluster.url, extra=("--metrics", f"127.0.0.1:{port}"))
+    store_prefix(up, [t + 600_000 for t in TOKENS], seed=10)
+    wait_remote(up, "written", 12)
+    m = scrape_until(port, lambda m: m.get(("kvtier_remote_blocks_written_total", frozenset())) == 12)
+    assert m[("kvtier_remote_blocks_written_total", frozenset())] == 12
+    assert m[("kvtier_remote_up", frozenset())] == 1
+    assert main(["status", "--socket", up.socket]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("remote"))
+    assert "127.0.0.1" in line and " up " in line and "written 12 blocks" in line
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    down = node(daemon_factory, f"redis://127.0.0.1:{dead}")
+    tokens = [t + 700_000 for t in TOKENS]
+    expected = store_prefix(down, tokens, seed=11)
+    for _ in range(3):  # lookups past the local prefix each try the store and fail
+        hits, result, got = lookup_and_load(down, tokens + list(range(64)))
+        assert hits == 12 and result.ok and got == expected
+    wait_state(down, "open")
+    assert main(["status", "--socket", down.socket]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("remote"))
+    assert "DOWN (open" in line and "hits 0" in line
