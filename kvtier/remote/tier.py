@@ -161,6 +161,8 @@ class RemoteTier:
             t.join(timeout=5 + 2 * self.settings.timeout_s)
         for fd in (self._rfd, self._wfd):
             os.close(fd)
+        if not any(t.is_alive() for t in self._threads):
+            self.pool.release()  # the pool's owner may unmap it now
 
     def _ns(self, fingerprint: str) -> v.NamespaceDigest:
         ns = self._names.get(fingerprint)
