@@ -225,7 +225,8 @@ def main(argv=None) -> int:
         print(f"bench_remote: skipped: {why}")
         return 0
     from kvtier.demo.daemon_proc import PrivateDaemon
-    cluster = LocalCluster()
+    # Store reps write fresh blocks: cap the masters (LRU) so the run cannot eat the machine's RAM.
+    cluster = LocalCluster(maxmemory="512mb", policy="allkeys-lru")
     env = {"KVTIER_REMOTE": cluster.url, "KVTIER_REMOTE_TTL_S": "600"}
     slab = max(8 * 2**20, max(args.block_sizes))
     daemons = []

@@ -46,10 +46,10 @@ def _free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, masters: int = 3, maxmemory: str = ""):
+    def __init__(self, masters: int = 3, maxmemory: str = "", policy: str = "noeviction"):
         self.dir = tempfile.mkdtemp(prefix="kvtier-rc-")
         self.ports = [_free_port() for _ in range(masters)]
-        self.maxmemory = maxmemory
+        self.maxmemory, self.policy = maxmemory, policy
         self.procs: list[subprocess.Popen] = []
         self.start()
         self._run_cli("--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
@@ -69,7 +69,7 @@ class LocalCluster:
                     "--save", "", "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
                     "--logfile", os.path.join(d, "redis.log")]
             if self.maxmemory:
-                args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+                args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
             self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in self.ports:
             self._wait_port(port)
