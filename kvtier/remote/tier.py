@@ -65,7 +65,7 @@ class RemoteTier:
         self.lock = threading.Lock()        # breaker, counters, queued bytes
         self.counters: Counter = Counter()
         self.last_error = ""
-        self.queued_bytes = 0               # write-behind bytes not yet written (held by the caller)
+        self.queued_bytes = 0               # write-behind bytes queued or being written (held by the caller)
         self.probes_waiting = 0
         self.window: deque = deque()        # (time, bytes) written in the last ttl_s, for the budget
         self.window_bytes = 0
@@ -321,8 +321,6 @@ class RemoteTier:
         items, owners = [], []
         tally: Counter = Counter()
         for job in jobs:
-            with self.lock:
-                self.queued_bytes -= len(job.keys) * job.size
             if self.breaker.state != CLOSED:
                 tally["write_skipped"] += len(job.keys)
                 continue
@@ -350,6 +348,7 @@ class RemoteTier:
             items.clear()
         with self.lock:
             self.counters.update(tally)
+            self.queued_bytes -= sum(len(job.keys) * job.size for job in jobs)  # no longer read from the pool
 
     def _within_budget(self, size: int) -> bool:
         """This node writes at most ``budget`` bytes per ``ttl_s``: every value expires
