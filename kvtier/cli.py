@@ -84,6 +84,7 @@ def render_status(s: dict) -> str:
         f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
         f"loads {t['loaded']} blocks ({format_size(t['load_bytes'])})",
+        *_remote(s.get("remote", {})),
         "", f"{'NAMESPACE':<48} {'BLOCK':>10} {'BLOCKS':>8} {'BYTES':>12} {'HITS':>8} {'MISSES':>8}",
     ]
     for n in s["namespaces"]:
@@ -119,6 +120,17 @@ def render_namespaces(rows: list[dict]) -> str:
                      f"{n['blocks']:>8} {format_size(n['bytes']):>12} {n['hits']:>9} {n['misses']:>9} "
                      f"{hit:>6} {n['stored']:>9} {n['loaded']:>9} {n['evicted']:>9}")
     return "\n".join(lines)
+
+
+def _remote(r: dict) -> list[str]:
+    """The remote tier's line, on daemons that have one."""
+    if not r.get("enabled"):
+        return []
+    state = "up" if r["state"] == "closed" else f"DOWN ({r['state']}: {r['last_error'] or 'no answer'})"
+    return [f"remote    {r['endpoint']} {state}  hits {r['remote_hits']}  "
+            f"fetched {r['fetched']} blocks ({format_size(r['fetched_bytes'])})  "
+            f"written {r['written']} blocks ({format_size(r['written_bytes'])})  "
+            f"corrupt {r['corrupt']}  errors {r['errors']}  queued {format_size(r['queued_bytes'])}"]
 
 
 def _pinned(p: dict) -> str:

@@ -19,7 +19,7 @@ from ..protocol.messages import MAX_MESSAGE_BYTES
 
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
 SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "inline_copy_bytes", "pin_chunk",
-             "copy_chunk_bytes"}
+             "copy_chunk_bytes", "remote_budget", "remote_queue"}
 MAX_PERIOD_S = 86400.0  # the poll loop turns these into timeouts: inf or 1e300 would crash it
 GPU_MODES = ("auto", "on", "off")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
@@ -56,6 +56,14 @@ class DaemonConfig:
     checksums: bool = False         # debug: crc32 per block at store, verified at load
     socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
     copy_delay_s: float = 0.0       # fault injection for tests: stall before every copy chunk
+    remote: str = ""                # remote tier: redis://HOST:PORT or a seed list; "" = off
+    remote_password: str = ""
+    remote_username: str = ""
+    remote_tls_ca: str = ""         # CA bundle for TLS (rediss:// without it uses the system CAs)
+    remote_ttl_s: float = 3600.0    # remote values expire this long after their last write
+    remote_budget: int = 0          # bytes this node may write per remote_ttl_s; 0 = no cap
+    remote_queue: int = 256 * 2**20 # write-behind bytes in flight (capped at pool_size / 4)
+    remote_timeout_s: float = 0.5   # per remote round trip; then the lookup/load goes on locally
 
     def __post_init__(self):
         def bad(key, why):
@@ -108,6 +116,20 @@ class DaemonConfig:
             bad("log_format", "must be text or json")
         if self.metrics and metrics_address(self.metrics) is None:
             bad("metrics", "must look like HOST:PORT, e.g. 127.0.0.1:9464 (\"\" = off)")
+
+        if self.remote:
+            from ..remote.settings import parse_url
+            try:
+                parse_url(self.remote)
+            except ValueError as exc:
+                bad("remote", str(exc))
+        if not 0 < self.remote_ttl_s <= 365 * MAX_PERIOD_S:
+            bad("remote_ttl_s", "must be > 0 and at most a year")
+        if not 0 < self.remote_timeout_s <= 60:
+            bad("remote_timeout_s", "must be in (0, 60]")
+        for key in ("remote_budget", "remote_queue"):
+            if getattr(self, key) < 0:
+                bad(key, "must be >= 0")
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

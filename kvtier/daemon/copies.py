@@ -31,7 +31,7 @@ from ..protocol.errors import ErrorCode
 from ..transfer.worker import CopyWorker
 from .config import DaemonConfig
 from .latency import LatencyHistograms
-from .ops import CopyOp
+from .ops import CopyOp, StoreOp
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -50,6 +50,7 @@ class CopyRunner:
         self.worker = CopyWorker(settings().copy_threads)
         self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
         self.inflight: set[CopyOp] = set()
+        self.on_commit: Callable[[object], None] | None = None  # a store's plan, once committed
 
     @property
     def wakeup_fd(self) -> int:
@@ -139,6 +140,8 @@ class CopyRunner:
                           len(op.bad), op.client.id)
                 self.errors["CHECKSUM"] += len(op.bad)
             reply = op.finish(failed)
+            if not failed and self.on_commit is not None and isinstance(op, StoreOp):
+                self.on_commit(op.plan)
             if op.cancelled.is_set():
                 self.counters["cancelled"] += 1
                 log.info("%s for client %d cancelled (%s): nothing committed", op.label, op.client.id,

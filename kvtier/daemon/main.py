@@ -35,12 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING, ERROR")
     p.add_argument("--log-format", dest="log_format", help="text or json (one object per line)")
     p.add_argument("--metrics", help='serve Prometheus metrics on HOST:PORT ("" = off)')
+    p.add_argument("--remote", help='remote tier: redis://HOST:PORT or redis://H1:P1,H2:P2 ("" = off)')
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     return p
 
 
 FLAG_KEYS = ("socket", "pool_size", "slab_size", "ram_fraction", "policy", "tcp", "events", "log_level",
-             "log_format", "metrics", "gpu")
+             "log_format", "metrics", "gpu", "remote")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,20 @@ NAMESPACE_COUNTERS = (  # stats key per namespace, metric name, help
     ("evicted", "blocks_evicted", "Blocks evicted to make room."),
 )
 TRANSFER_KINDS = ("store", "load", "offload", "restore")
+REMOTE_COUNTERS = (  # stats key under "remote", metric name, help
+    ("remote_hits", "remote_hits", "Blocks found in the remote tier by lookups (after the local prefix)."),
+    ("probe_skipped", "remote_probes_skipped", "Lookups answered locally without asking (tier unavailable)."),
+    ("fetched", "remote_blocks_fetched", "Blocks fetched from the remote tier and verified."),
+    ("fetched_bytes", "remote_fetched_bytes", "Bytes fetched from the remote tier."),
+    ("fetch_failed", "remote_fetch_failed", "Blocks a load asked for that were missing or bad remotely."),
+    ("corrupt", "remote_corrupt", "Remote values rejected: torn, checksum mismatch or foreign."),
+    ("written", "remote_blocks_written", "Blocks written behind to the remote tier."),
+    ("written_bytes", "remote_written_bytes", "Bytes written behind to the remote tier."),
+    ("write_skipped", "remote_write_skipped", "Committed blocks not written (tier unavailable)."),
+    ("queue_full", "remote_queue_full", "Committed blocks not written (write-behind queue full)."),
+    ("budget_skipped", "remote_budget_skipped", "Committed blocks not written (byte budget spent)."),
+    ("errors", "remote_errors", "Remote calls that failed (unreachable, timed out)."),
+)
 
 
 class SnapshotCollector:
@@ -54,6 +68,7 @@ class SnapshotCollector:
         yield from self._namespaces(s["namespaces"])
         yield from self._traffic(s)
         yield from self._latency(s.get("latency", {}))
+        yield from self._remote(s.get("remote", {}))  # remote tier hook
 
     @staticmethod
     def _pool(s):
@@ -113,6 +128,17 @@ class SnapshotCollector:
             buckets.append(("+Inf", h["count"]))
             family.add_metric([kind], buckets, sum_value=h["sum_s"])
         yield family
+
+    @staticmethod
+    def _remote(r):
+        if not r.get("enabled"):
+            return
+        yield GaugeMetricFamily("kvtier_remote_up", "1 when the remote tier's breaker is closed.",
+                                value=1 if r["state"] == "closed" else 0)
+        yield GaugeMetricFamily("kvtier_remote_queued_bytes", "Write-behind bytes waiting (held in the pool).",
+                                value=r["queued_bytes"])
+        for key, name, doc in REMOTE_COUNTERS:
+            yield CounterMetricFamily("kvtier_" + name, doc, value=r[key])
 
 
 class MetricsServer:

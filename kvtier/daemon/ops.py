@@ -102,16 +102,21 @@ class LoadOp(CopyOp):
         super().__init__(*args, **kw)
         self.index, self.plan, self.count = index, plan, count
 
-    @classmethod
-    def prepare(cls, index: BlockIndex, client: ClientState, reg: Registration, request_id: int, msg: m.Load):
+    @staticmethod
+    def check(reg: Registration, msg: m.Load, keys: list[bytes]):
+        """(fence, engine ids) of a valid load request; DaemonError otherwise."""
         fence = check_fence(reg, msg.event)
-        keys = check_keys(msg.hashes)
         k = reg.layout.block_factor
         if not 0 <= msg.skip < k:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"skip must be in [0, {k})")
         if msg.skip and not keys:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "skip needs at least one hash")
-        ids = check_ids(reg, msg.blocks, len(keys) * k - msg.skip)
+        return fence, check_ids(reg, msg.blocks, len(keys) * k - msg.skip)
+
+    @classmethod
+    def prepare(cls, index: BlockIndex, client: ClientState, reg: Registration, request_id: int, msg: m.Load):
+        keys = check_keys(msg.hashes)
+        fence, ids = cls.check(reg, msg, keys)
         plan = index.prepare_load(reg.ns, keys)
         pairs = reg.layout.pairs([e.offset if e is not None else None for e in plan.entries], ids, msg.skip)
         op = cls(index, plan, len(keys), client, reg, request_id, pairs, fence)

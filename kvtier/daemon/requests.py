@@ -32,9 +32,10 @@ and BYE are still served so clients can tell "draining" from "gone"."""
 
 class RequestHandlers:
     def __init__(self, sessions: Sessions, copies: CopyRunner, index: BlockIndex, swap: SwapTable,
-                 stats: Callable[[], dict]):
+                 stats: Callable[[], dict], remote=None):
         self.sessions, self.copies, self.index, self.swap = sessions, copies, index, swap
         self.stats = stats
+        self.remote = remote  # RemoteBridge, or None
         self.table: dict[type, Callable] = {
             m.Hello: self.hello, m.Ping: self.ping, m.Bye: self.bye,
             m.Register: self.register, m.Unregister: self.unregister,
@@ -65,7 +66,12 @@ class RequestHandlers:
     # ---- prefix cache and swap: copies answer later ------------------------------------
     def lookup(self, client: ClientState, msg: m.Lookup, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
-        return m.Hits(self.index.lookup(reg.ns, check_keys(msg.hashes)))
+        keys = check_keys(msg.hashes)
+        hits = self.index.lookup(reg.ns, keys)
+        # The local prefix ended early: the remote tier may hold the rest (it answers later).
+        if self.remote is not None and self.remote.lookup(identity, req_id, reg.ns, keys, hits):
+            return None
+        return m.Hits(hits)
 
     def store(self, client: ClientState, msg: m.Store, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
@@ -73,7 +79,14 @@ class RequestHandlers:
 
     def load(self, client: ClientState, msg: m.Load, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
+        if self.remote is not None and self.remote_fetch(reg, msg, identity, req_id):
+            return None  # the load runs again here once the fetched blocks are in the pool
         return self._run(LoadOp.prepare(self.index, client, reg, req_id, msg))
+
+    def remote_fetch(self, reg, msg: m.Load, identity: bytes, req_id: int) -> bool:
+        keys = check_keys(msg.hashes)
+        LoadOp.check(reg, msg, keys)  # a bad request is refused before anything is fetched
+        return self.remote.load(identity, req_id, msg, reg.ns, keys)
 
     def offload(self, client: ClientState, msg: m.Offload, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)

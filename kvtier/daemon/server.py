@@ -7,6 +7,7 @@ Parts (each in its own module, each given what it needs):
   CopyRunner  running copies, cancel, completion       (copies.py, ops.py)
   RequestHandlers  the dispatch table                  (requests.py)
   Housekeeping     systemd notify, reload, metrics     (housekeeping.py)
+  RemoteBridge     optional Redis Cluster tier          (kvtier/remote)
 
 Loop: poll the ROUTER, the copy worker's wakeup fd and the signal waker;
 dispatch each frame at one point that maps every exception to an error
@@ -63,6 +64,7 @@ CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long f
 class Daemon:
     def __init__(self, config: DaemonConfig, notifier=None, reloader=None):
         self.housekeeping = Housekeeping(config, notifier, reloader, self.stats)
+        self.copies = self.remote = None
         self.notifier = self.housekeeping.notifier
         self.started = time.time()
         self.counters: Counter = Counter()
@@ -94,6 +96,10 @@ class Daemon:
         self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.copies.cancel,
                                  self.counters, self.gpu)
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
+        self.remote = self._start_remote(config)
+        if self.remote is not None:
+            self.copies.on_commit = self.remote.committed  # write-behind of committed prefix blocks
+            self.handlers.remote = self.remote
         self.signals = Waker()
         try:
             self.housekeeping.start_metrics()
@@ -143,6 +149,18 @@ class Daemon:
                  len(ctx.uuids), format_size(chunk))
         return ctx
 
+    def _start_remote(self, config: DaemonConfig):
+        """The remote tier behind this pool (remote.bridge), or None when ``remote`` is off.
+        It answers some lookups and loads later: through ``send``, or by re-running
+        a load at the dispatch point once the blocks it fetched are in the pool."""
+        from ..remote.bridge import open_remote
+        try:
+            return open_remote(config, self.segment.buffer, self.index, self.listener.send, self.handle,
+                               self.copies.crcs if config.checksums else None)
+        except ImportError as exc:
+            self.shutdown()
+            raise StartupError(str(exc)) from None
+
     def _abort_start(self, why: str):
         self.pool = None  # the tensor over the mapping must go before the unmap
         self.segment.close(unlink=True)
@@ -172,6 +190,8 @@ class Daemon:
         poller.register(self.listener.router, zmq.POLLIN)
         poller.register(self.copies.wakeup_fd, zmq.POLLIN)
         poller.register(self.signals.fd, zmq.POLLIN)
+        if self.remote is not None:  # probes, fetches and write-behind report here
+            poller.register(self.remote.wakeup_fd, zmq.POLLIN)
         if ready:
             ready()
         next_reap = next_sweep = time.monotonic()
@@ -201,6 +221,8 @@ class Daemon:
                         self._read_requests()
                     if self.copies.wakeup_fd in events:
                         self.copies.finish_completed()
+                    if self.remote is not None and self.remote.wakeup_fd in events:
+                        self.remote.poll()
                     if time.monotonic() >= next_reap:
                         next_reap = time.monotonic() + self.config.reap_interval_s
                         self.sessions.reap_dead()
@@ -298,7 +320,7 @@ class Daemon:
             return
         self._closed = True
         self.housekeeping.stop()
-        if getattr(self, "copies", None) is not None:
+        if self.copies is not None:
             # Normally already empty (serve_forever drains first); a startup failure lands here.
             self.copies.cancel_all("daemon shutting down")
             self.copies.drain(CANCEL_GRACE_S)
@@ -306,6 +328,8 @@ class Daemon:
             for c in list(self.sessions.clients.values()):
                 self.sessions.reap(c, "daemon shutdown")
             self.copies.close()
+        if self.remote is not None:  # its threads write into the pool: stop them before the unmap
+            self.remote.close()
         self.listener.close()
         if self.gpu is not None:
             self.gpu.close()  # unpin before the pool is unmapped

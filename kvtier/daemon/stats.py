@@ -55,6 +55,7 @@ def daemon_stats(d: "Daemon") -> dict:
         "errors": dict(d.errors),
         "latency": d.housekeeping.latency.snapshot(),
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
+        "remote": d.remote.stats() if d.remote is not None else {"enabled": False},
     }
 
 

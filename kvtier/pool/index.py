@@ -15,6 +15,7 @@ Primitives (scheduler-style, no I/O):
   complete_store(plan, failed=())
   prepare_load(ns, keys) -> LoadPlan       pins what is READY
   complete_load(plan)
+  pin(entries) / unpin(entries)            hold READY entries (no eviction) for a reader
   alloc(cls) / free(offset)                used by the swap table too
   flush(ns=None) -> int, check_integrity()
   take_events() -> [(kind, namespace, hash)]  "stored" / "removed", if enabled
@@ -190,6 +191,18 @@ class BlockIndex:
                 e.pins -= 1
         bad = len(set(plan.missing) | set(failed))
         plan.ns.stats.update(loaded=len(plan.entries) - bad, load_failed=bad)
+
+    def pin(self, entries: list[Entry]) -> None:
+        """Hold entries against eviction and flush (a reader outside a load, e.g. the
+        remote tier writing them out); every pin needs one ``unpin``."""
+        for e in entries:
+            e.pins += 1
+
+    def unpin(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if e.pins <= 0:
+                raise IntegrityError(f"double unpin of {e.key.hex()}")
+            e.pins -= 1
 
     def discard(self, e: Entry) -> None:
         """Drop one READY entry now if unpinned (e.g. its checksum failed)."""

@@ -115,3 +115,18 @@ def test_demo_script_starts_its_own_daemon_and_prints_the_summary():
     out = script("demo.py", *TINY_DEMO)
     assert "identical tokens True, identical logits True, identical document KV True" in out
     assert "hit rate" in out and "TTFT median" in out
+
+
+def test_bench_remote_reports_load_lookup_and_store_against_baselines():
+    from tests.remote.cluster import why_missing
+    if why_missing():
+        pytest.fail(f"bench_remote needs a Redis Cluster: {why_missing()}", pytrace=False)
+    out = json.loads(script("bench_remote.py", "--quick", "--json"))
+    [load] = out["load"]
+    assert min(load["remote_gbps"], load["local_gbps"], load["redis_get_gbps"]) > 0
+    assert load["remote_vs_local"] == pytest.approx(load["remote_gbps"] / load["local_gbps"])
+    assert load["remote_vs_redis_get"] == pytest.approx(load["remote_gbps"] / load["redis_get_gbps"])
+    lk = out["lookup"]
+    assert lk["added_by_remote_miss_p50_us"] == pytest.approx(lk["miss_remote_p50_us"] - lk["miss_no_remote_p50_us"])
+    [store] = out["store"]
+    assert store["write_behind_gbps"] > 0 and store["no_remote_gbps"] > 0 and store["visible_on_b_ms"] > 0

@@ -1,0 +1,366 @@
+"""The remote tier: write-behind, existence probes and fetches on their own
+threads, reported back to the caller's loop through a wakeup pipe.
+
+The caller (the daemon's poll loop) never waits on the network: every verb
+queues a job and returns at once, or refuses at once (breaker open, queue
+full) so the caller answers from local state. Three threads, each with its
+own connection, so a large write-behind batch never delays a lookup's probe
+and a probe never waits behind a fetch:
+
+  probe thread   pipelined EXISTS for the rest of a chain; while the breaker
+                 is open it pings the store every cooldown to close it again
+  fetch thread   pipelined GET, verify, copy payloads into the pool
+  write thread   crc32 + header, pipelined SET with a TTL, byte budget
+
+The pool is any writable buffer (the daemon's shared-memory segment; a
+bytearray in tests). The caller guarantees the pool bytes a job names stay
+put until the job is reported done: blocks being written out are held
+(never evicted), blocks being fetched are invisible (allocated, not committed).
+
+Primitives (loop thread): ``probe(ns, keys, token) -> bool``, ``fetch(ns,
+keys, offsets, size, token) -> bool``, ``write(ns, keys, offsets, size, token)
+-> bool``, ``completed() -> [Done]``, ``wakeup_fd``, ``stats()``, ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import values as v
+from .breaker import CLOSED, OPEN, Breaker
+from .settings import RemoteSettings
+from .store import RedisStore, Unreachable
+
+log = logging.getLogger("kvtier.remote")
+
+
+@dataclass
+class Job:
+    kind: str                    # "probe" | "fetch" | "write"
+    token: Any                   # the caller's, handed back untouched
+    ns: v.NamespaceDigest
+    keys: list
+    offsets: list = field(default_factory=list)
+    size: int = 0
+    # results, set by the tier's thread before the job is reported
+    hits: int = 0                # probe: remote blocks continuing the chain
+    failed: list = field(default_factory=list)   # fetch: indices not fetched intact
+    crcs: list = field(default_factory=list)     # fetch: (offset, crc32) of verified payloads
+    error: str = ""              # why the store could not be asked ("" = it answered)
+
+
+class RemoteTier:
+    def __init__(self, settings: RemoteSettings, pool, clock=time.monotonic):
+        self.settings = settings
+        self.pool = memoryview(pool).cast("B")
+        self.clock = clock
+        self.breaker = Breaker(cooldown=min(1.0, 4 * settings.timeout_s), max_cooldown=5.0)
+        self.lock = threading.Lock()        # breaker, counters, queued bytes
+        self.counters: Counter = Counter()
+        self.last_error = ""
+        self.queued_bytes = 0               # write-behind bytes queued or being written (held by the caller)
+        self.probes_waiting = 0
+        self.window: deque = deque()        # (time, bytes) written in the last ttl_s, for the budget
+        self.window_bytes = 0
+        self._names: dict[str, v.NamespaceDigest] = {}
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        self._done: queue.Queue = queue.Queue()
+        self._queues = {k: queue.Queue() for k in ("probe", "fetch", "write")}
+        self._closing = threading.Event()
+        self._threads = [threading.Thread(target=self._serve, args=(k,), name=f"kvtier-remote-{k}", daemon=True)
+                         for k in self._queues]
+        for t in self._threads:
+            t.start()
+
+    # ---- loop-thread API --------------------------------------------------------------
+    @property
+    def wakeup_fd(self) -> int:
+        return self._rfd
+
+    def available(self) -> bool:
+        with self.lock:
+            return self.breaker.state == CLOSED
+
+    def probe(self, fingerprint: str, keys: list[bytes], token) -> bool:
+        """Ask how many of ``keys`` (a chain's continuation) the store holds in a row.
+        False: not asked (store unavailable or too many lookups waiting)."""
+        with self.lock:
+            if self.breaker.state != CLOSED or self.probes_waiting >= self.settings.max_probes:
+                self.counters["probe_skipped"] += 1
+                return False
+            self.probes_waiting += 1
+        self._queues["probe"].put(Job("probe", token, self._ns(fingerprint), list(keys)))
+        return True
+
+    def fetch(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> bool:
+        """Copy blocks ``keys`` into the pool at ``offsets`` (``size`` bytes each), verified.
+        False: not started (store unavailable); the caller reports those blocks failed."""
+        if not self.available():
+            self.counters["fetch_skipped"] += len(keys)
+            return False
+        self._queues["fetch"].put(Job("fetch", token, self._ns(fingerprint), list(keys), list(offsets), size))
+        return True
+
+    def write(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> bool:
+        """Write-behind of committed blocks; the caller holds them until the job is done.
+        False: not queued (store unavailable, or ``queue_bytes`` already in flight)."""
+        nbytes = len(keys) * size
+        with self.lock:
+            if self.breaker.state != CLOSED:
+                self.counters["write_skipped"] += len(keys)
+                return False
+            if self.queued_bytes + nbytes > self.settings.queue_bytes:
+                self.counters["queue_full"] += len(keys)
+                return False
+            self.queued_bytes += nbytes
+        self._queues["write"].put(Job("write", token, self._ns(fingerprint), list(keys), list(offsets), size))
+        return True
+
+    def completed(self) -> list[Job]:
+        try:
+            while os.read(self._rfd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stats(self) -> dict:
+        s = self.settings
+        with self.lock:
+            c = dict(self.counters)
+            state, opened = self.breaker.state, self.breaker.opened
+            queued, window = self.queued_bytes, self.window_bytes
+        keys = ("probes", "probe_blocks", "remote_hits", "probe_skipped", "fetches", "fetched",
+                "fetched_bytes", "fetch_failed", "fetch_skipped", "missing", "corrupt", "written",
+                "written_bytes", "write_failed", "write_skipped", "queue_full", "budget_skipped",
+                "rejected", "errors")
+        return {"enabled": True, "endpoint": s.display, "state": state, "opened": opened,
+                "last_error": self.last_error, "queued_bytes": queued, "queue_bytes": s.queue_bytes,
+                "window_bytes": window, "budget_bytes": s.budget, "ttl_s": s.ttl_s,
+                **{k: c.get(k, 0) for k in keys}}
+
+    def close(self) -> None:
+        self._closing.set()
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=5 + 2 * self.settings.timeout_s)
+        for fd in (self._rfd, self._wfd):
+            os.close(fd)
+        if not any(t.is_alive() for t in self._threads):
+            self.pool.release()  # the pool's owner may unmap it now
+
+    def _ns(self, fingerprint: str) -> v.NamespaceDigest:
+        ns = self._names.get(fingerprint)
+        if ns is None:
+            ns = self._names[fingerprint] = v.namespace_digest(fingerprint)
+        return ns
+
+    # ---- threads ---------------------------------------------------------------------
+    def _serve(self, kind: str) -> None:
+        store = RedisStore(self.settings)
+        q = self._queues[kind]
+        run = {"probe": self._probe, "fetch": self._fetch, "write": self._write}[kind]
+        try:
+            while True:
+                try:
+                    job = q.get(timeout=self.breaker.cooldown if kind == "probe" else None)
+                except queue.Empty:
+                    self._heal(store)
+                    continue
+                if job is None:
+                    return
+                jobs = [job] + (self._more_writes(q, job) if kind == "write" else [])
+                try:
+                    run(store, jobs)
+                except Exception as exc:  # a bug here must not lose the caller's job
+                    log.exception("remote %s failed", kind)
+                    for j in jobs:
+                        j.error = j.error or f"{type(exc).__name__}: {exc}"
+                        j.failed = list(range(len(j.keys))) if kind == "fetch" else j.failed
+                finally:
+                    if kind == "probe":
+                        with self.lock:
+                            self.probes_waiting -= 1
+                    for j in jobs:
+                        if j is not None:
+                            self._report(j)
+                    if kind == "probe":
+                        self._heal(store)
+        finally:
+            store.close()
+
+    def _more_writes(self, q: queue.Queue, first: Job) -> list[Job]:
+        """Batch queued write-behind jobs into one pipeline, up to ``batch_bytes``."""
+        jobs, nbytes = [], len(first.keys) * first.size
+        while nbytes < self.settings.batch_bytes:
+            try:
+                job = q.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                q.put(None)  # keep the stop marker for the loop
+                break
+            jobs.append(job)
+            nbytes += len(job.keys) * job.size
+        return jobs
+
+    def _report(self, job: Job) -> None:
+        self._done.put(job)
+        try:
+            os.write(self._wfd, b"r")
+        except BlockingIOError:
+            pass  # pipe full: the loop is already due to wake
+
+    def _call(self, fn, *args):
+        """Run one store call under the breaker; Unreachable opens it."""
+        try:
+            result = fn(*args)
+        except Unreachable as exc:
+            with self.lock:
+                self.breaker.failure(self.clock())
+                self.counters["errors"] += 1
+                opened = self.breaker.state == OPEN
+            if self.last_error != str(exc) or opened:
+                log.warning("remote tier %s: %s%s", self.settings.display, exc,
+                            "; answering locally for now" if opened else "")
+            self.last_error = str(exc)
+            raise
+        with self.lock:
+            was = self.breaker.state
+            self.breaker.success()
+        if was != CLOSED:
+            log.info("remote tier %s is back", self.settings.display)
+        return result
+
+    def _heal(self, store: RedisStore) -> None:
+        """While the breaker is open, one ping per cooldown is the half-open trial."""
+        if self._closing.is_set():
+            return
+        with self.lock:
+            if self.breaker.state == CLOSED or not self.breaker.allow(self.clock()):
+                return
+        try:
+            self._call(store.ping)
+        except Unreachable:
+            pass
+
+    def _probe(self, store: RedisStore, jobs: list[Job]) -> None:
+        for job in jobs:
+            if self.breaker.state != CLOSED:  # opened while this job waited
+                job.error = "unavailable"
+                continue
+            try:
+                found = self._call(store.exists, [v.remote_key(job.ns, k) for k in job.keys])
+            except Unreachable as exc:
+                job.error = str(exc)
+                continue
+            job.hits = next((i for i, hit in enumerate(found) if not hit), len(found))
+            with self.lock:
+                self.counters.update(probes=1, probe_blocks=len(job.keys), remote_hits=job.hits)
+
+    def _fetch(self, store: RedisStore, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._fetch_one(store, job)
+
+    def _fetch_one(self, store: RedisStore, job: Job) -> None:
+        per = max(1, self.settings.batch_bytes // max(1, job.size))
+        tally: Counter = Counter()
+        rejected = []  # keys whose values failed verification: nobody should be offered them again
+        for start in range(0, len(job.keys), per):
+            chunk = range(start, min(start + per, len(job.keys)))
+            if self.breaker.state != CLOSED:
+                job.error = job.error or "unavailable"
+                job.failed.extend(chunk)
+                continue
+            try:
+                got = self._call(store.get, [v.remote_key(job.ns, job.keys[i]) for i in chunk])
+            except Unreachable as exc:
+                job.error = str(exc)
+                job.failed.extend(chunk)
+                continue
+            for i, value in zip(chunk, got):
+                verdict = v.verify(value, job.ns, job.keys[i], job.size)
+                if not verdict.ok:
+                    job.failed.append(i)
+                    tally["missing" if verdict.status == v.MISSING else "corrupt"] += 1
+                    if verdict.status != v.MISSING:
+                        rejected.append(v.remote_key(job.ns, job.keys[i]))
+                        log.error("remote block %s of %s rejected: %s (%s)", job.keys[i].hex(),
+                                  job.ns.short.decode(), verdict.status, verdict.why)
+                    continue
+                off = job.offsets[i]
+                self.pool[off:off + job.size] = memoryview(value)[v.HEADER_BYTES:]
+                job.crcs.append((off, verdict.crc))
+                tally["fetched"] += 1
+            del got
+        if rejected:
+            try:  # best effort: a writer may race us, and a good value lost is only a cache miss
+                self._call(store.delete, rejected)
+            except Unreachable:
+                pass
+        tally.update(fetches=1, fetched_bytes=tally["fetched"] * job.size, fetch_failed=len(job.failed))
+        with self.lock:
+            self.counters.update(tally)
+
+    def _write(self, store: RedisStore, jobs: list[Job]) -> None:
+        items, owners = [], []
+        tally: Counter = Counter()
+        for job in jobs:
+            if self.breaker.state != CLOSED:
+                tally["write_skipped"] += len(job.keys)
+                continue
+            for key, off in zip(job.keys, job.offsets):
+                if not self._within_budget(job.size):
+                    tally["budget_skipped"] += 1
+                    continue
+                payload = self.pool[off:off + job.size]
+                header, _ = v.frame(job.ns, key, payload)
+                items.append((v.remote_key(job.ns, key), b"".join((header, payload))))
+                owners.append(job.size)
+        if items:
+            try:
+                refused = self._call(store.set, items, self.settings.ttl_s)
+            except Unreachable:
+                refused = ["unreachable"] * len(items)
+                tally["write_failed"] += len(items)
+            else:
+                for why, size in zip(refused, owners):
+                    if why is None:
+                        tally.update(written=1, written_bytes=size)
+                    else:
+                        tally["rejected"] += 1
+                        self.last_error = why
+            items.clear()
+        with self.lock:
+            self.counters.update(tally)
+            self.queued_bytes -= sum(len(job.keys) * job.size for job in jobs)  # no longer read from the pool
+
+    def _within_budget(self, size: int) -> bool:
+        """This node writes at most ``budget`` bytes per ``ttl_s``: every value expires
+        within ``ttl_s``, so its live bytes in the store never exceed the budget."""
+        if not self.settings.budget:
+            return True
+        now = self.clock()
+        with self.lock:
+            while self.window and self.window[0][0] <= now - self.settings.ttl_s:
+                self.window_bytes -= self.window.popleft()[1]
+            if self.window_bytes + size > self.settings.budget:
+                return False
+            self.window.append((now, size))
+            self.window_bytes += size
+            return True

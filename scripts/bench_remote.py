@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""The remote tier across two nodes, against baselines measured in the same run.
+
+Two private daemons ("nodes" A and B) with ``remote`` pointing at a real Redis
+Cluster of three masters on loopback, plus a node C without a remote tier.
+One engine (this process) per node, single-tensor (MLA-like) caches of N
+blocks.
+
+- load: B loads N blocks that only the cluster holds (B's pool flushed before
+  each rep: lookup-free load = fetch, verify, commit, copy to the engine),
+  next to B loading the same blocks from its own pool (local), and next to a
+  plain redis-py cluster pipeline of N GETs of the same values copied into an
+  engine tensor (what an engine talking to Redis itself would do).
+- lookup: a lookup whose chain is in neither pool nor cluster, on B (remote
+  miss: local index + one pipelined EXISTS) and on C (no remote tier); and a
+  lookup B answers from the cluster (remote hit).
+- store: A (write-behind on) vs C (off), fresh hashes per rep; and how long
+  after A's store returned B's lookup first finds the blocks (visibility).
+
+Needs redis-server/redis-cli on PATH and the redis module; otherwise it
+prints why and exits 0.
+
+    python scripts/bench_remote.py [--quick] [--json [PATH]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import benchlib as bl
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--block-sizes", type=bl.size_list, default=bl.size_list("256KiB,2MiB"))
+    p.add_argument("--batch-bytes", type=bl.parse_size, default=bl.parse_size("32MiB"),
+                   help="bytes per load/store call (N = this / block size)")
+    p.add_argument("--min-time", type=float, default=2.0, help="seconds of timed work per case")
+    p.add_argument("--min-reps", type=int, default=5)
+    p.add_argument("--max-reps", type=int, default=200)
+    p.add_argument("--lookups", type=int, default=400, help="timed lookups per lookup case")
+    p.add_argument("--pool-size", default="512MiB")
+    p.add_argument("--quick", action="store_true", help="small sizes, short runs (smoke test)")
+    bl.add_json_flag(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.block_sizes, args.batch_bytes = bl.size_list("64KiB"), bl.parse_size("1MiB")
+        args.min_time, args.min_reps, args.max_reps, args.lookups = 0.0, 2, 2, 20
+        args.pool_size = "64MiB"
+    return args
+
+
+class Engine:
+    """One engine on one node: a cache of ``n`` blocks of ``block`` bytes, one namespace."""
+
+    def __init__(self, daemon, block: int, n: int, fill: int, tag: str):
+        import torch
+        from kvtier.client import Client, Namespace, ShmKVCache
+        self.kv = ShmKVCache([(n, block)], torch.uint8)
+        g = torch.Generator().manual_seed(fill)
+        self.kv.tensors[0].copy_(torch.randint(0, 256, (n, block), generator=g, dtype=torch.uint8))
+        self.ns = Namespace("bench-remote", "uint8", "mla", 16, extra=f"{tag}-b{block}")
+        self.c = Client(daemon.socket, name="bench-remote", timeout=60, transfer_timeout=600)
+        self.c.register_kv_cache(self.kv, [0], self.ns)
+        self.ids, self.n, self.block = list(range(n)), n, block
+
+    def ok(self, result) -> None:
+        if not result.ok or result.done != self.n:
+            raise RuntimeError(f"kvtier transfer failed: {result}")
+
+    def close(self) -> None:
+        self.c.close()
+        self.kv.close()
+
+
+def hashes(n: int) -> list[bytes]:
+    raw = os.urandom(16 * n)
+    return [raw[i:i + 16] for i in range(0, 16 * n, 16)]
+
+
+def remote(daemon) -> dict:
+    from kvtier.client import Client
+    with Client(daemon.socket, name="bench-probe", heartbeat=False) as c:
+        return c.stats()["remote"]
+
+
+def wait_written(daemon, at_least: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while remote(daemon)["written"] < at_least:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"write-behind stalled: {remote(daemon)}")
+        time.sleep(0.01)
+
+
+def load_point(args, cluster, a, b, block: int) -> dict:
+    import numpy as np
+    from kvtier.remote import values as v
+    n = max(1, args.batch_bytes // block)
+    ea = Engine(a, block, n, 1, "load")
+    eb = Engine(b, block, n, 2, "load")
+    keys = hashes(n)
+    written = remote(a)["written"]
+    ea.ok(ea.c.store(keys, ea.ids).wait())
+    wait_written(a, written + n)
+    expected = ea.kv.tensors[0].clone()
+    eb.kv.tensors[0].zero_()
+    eb.ok(eb.c.load(keys, eb.ids).wait())  # through the cluster, verified once here
+    if not bool((eb.kv.tensors[0] == expected).all()):
+        raise RuntimeError("remote load returned other bytes than were stored")
+
+    r = cluster.client()
+    ns = v.namespace_digest(ea.ns.fingerprint())
+    rkeys = [v.remote_key(ns, k) for k in keys]
+    arr = eb.kv.tensors[0].numpy()
+
+    def redis_get():
+        p = r.pipeline(transaction=False)
+        for k in rkeys:
+            p.get(k)
+        for i, val in enumerate(p.execute()):
+            arr[i] = np.frombuffer(val, dtype=np.uint8, offset=v.HEADER_BYTES)  # into the engine's block
+
+    fetched = remote(b)["fetched"]
+    times = bl.round_robin({
+        "remote": (lambda: eb.ok(eb.c.load(keys, eb.ids).wait()), lambda: eb.c.flush(eb.ns)),
+        "local": (lambda: eb.ok(eb.c.load(keys, eb.ids).wait()),
+                  lambda: eb.c.lookup(keys) == n or eb.ok(eb.c.load(keys, eb.ids).wait())),
+        "redis_get": (redis_get, None),
+    }, args.min_time, args.min_reps, args.max_reps)
+    if remote(b)["fetched"] - fetched < n * len(times["remote"]):
+        raise RuntimeError("a 'remote' rep did not fetch from the cluster")
+    nbytes = n * block
+    row = {"block_bytes": block, "batch": n, "bytes": nbytes,
+           **{f"{k}_gbps": bl.gbps(nbytes, bl.median(t)) for k, t in times.items()},
+           "reps": {k: len(t) for k, t in times.items()}}
+    row["remote_vs_local"] = row["remote_gbps"] / row["local_gbps"]
+    row["remote_vs_redis_get"] = row["remote_gbps"] / row["redis_get_gbps"]
+    eb.c.flush(eb.ns)
+    ea.c.flush(ea.ns)
+    ea.close()
+    eb.close()
+    r.close()
+    return row
+
+
+def lookup_latency(args, a, b, c) -> dict:
+    """Per-lookup latency of an 8-block chain nobody holds (miss), on B and C; and of
+    a chain only the cluster holds (B asks it every time: lookups do not fetch)."""
+    block = 16 * 1024
+    eb, ec, ea = Engine(b, block, 8, 3, "lookup"), Engine(c, block, 8, 4, "lookup"), Engine(a, block, 8, 5, "lookup")
+    remote_chain = hashes(8)
+    written = remote(a)["written"]
+    ea.ok(ea.c.store(remote_chain, ea.ids).wait())
+    wait_written(a, written + 8)
+    miss = hashes(8)
+
+    def timed(engine, chain, expect):
+        out = []
+        for _ in range(args.lookups):
+            t0 = time.perf_counter()
+            hits = engine.c.lookup(chain)
+            out.append(time.perf_counter() - t0)
+            if hits != expect:
+                raise RuntimeError(f"lookup found {hits}, expected {expect}")
+        return out
+
+    cases = {"miss_no_remote": (ec, miss, 0), "miss_remote": (eb, miss, 0), "hit_remote": (eb, remote_chain, 8)}
+    times = {k: [] for k in cases}
+    for _ in range(4):  # alternate so all three see the same background load
+        for k, (e, chain, expect) in cases.items():
+            times[k] += timed(e, chain, expect)
+    for e in (ea, eb, ec):
+        e.close()
+    row = {f"{k}_{p}_us": bl.pct(t, q) * 1e6 for k, t in times.items() for p, q in (("p50", 50), ("p99", 99))}
+    row["added_by_remote_miss_p50_us"] = row["miss_remote_p50_us"] - row["miss_no_remote_p50_us"]
+    return row
+
+
+def store_point(args, a, b, c, block: int) -> dict:
+    """Store GB/s with write-behind (A) and without a remote tier (C), fresh hashes per
+    rep; then how long until another node's lookup finds a just-stored prefix."""
+    n = max(1, args.batch_bytes // block)
+    ea, ec = Engine(a, block, n, 6, "store"), Engine(c, block, n, 7, "store")
+
+    def settle():  # flush both; let A's write-behind of the previous rep finish (untimed)
+        r = remote(a)
+        while r["queued_bytes"]:
+            time.sleep(0.005)
+            r = remote(a)
+        for e in (ea, ec):
+            e.c.flush(e.ns)
+
+    times = bl.round_robin({
+        "write_behind": (lambda: ea.ok(ea.c.store(hashes(n), ea.ids).wait()), settle),
+        "no_remote": (lambda: ec.ok(ec.c.store(hashes(n), ec.ids).wait()), settle),
+    }, args.min_time, args.min_reps, args.max_reps)
+    eb = Engine(b, block, n, 8, "store")
+    visible = []
+    for _ in range(max(3, args.min_reps)):
+        chain = hashes(n)
+        ea.ok(ea.c.store(chain, ea.ids).wait())
+        t0 = time.perf_counter()
+        while eb.c.lookup(chain) < n:
+            pass
+        visible.append(time.perf_counter() - t0)
+    for e in (ea, eb, ec):
+        e.c.flush(e.ns)
+        e.close()
+    nbytes = n * block
+    row = {"block_bytes": block, "batch": n, "bytes": nbytes,
+           "write_behind_gbps": bl.gbps(nbytes, bl.median(times["write_behind"])),
+           "no_remote_gbps": bl.gbps(nbytes, bl.median(times["no_remote"])),
+           "visible_on_b_ms": bl.median(visible) * 1e3}
+    row["write_behind_vs_no_remote"] = row["write_behind_gbps"] / row["no_remote_gbps"]
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from tests.remote.cluster import LocalCluster, why_missing
+    why = why_missing()
+    if why:
+        print(f"bench_remote: skipped: {why}")
+        return 0
+    from kvtier.demo.daemon_proc import PrivateDaemon
+    # Store reps write fresh blocks: cap the masters (LRU) so the run cannot eat the machine's RAM.
+    cluster = LocalCluster(maxmemory="512mb", policy="allkeys-lru")
+    env = {"KVTIER_REMOTE": cluster.url, "KVTIER_REMOTE_TTL_S": "600"}
+    slab = max(8 * 2**20, max(args.block_sizes))
+    daemons = []
+    try:
+        a, b = (PrivateDaemon(args.pool_size, str(slab), env=env) for _ in range(2))
+        daemons += [a, b]
+        c = PrivateDaemon(args.pool_size, str(slab))
+        daemons.append(c)
+        loads = [load_point(args, cluster, a, b, blk) for blk in args.block_sizes]
+        lookup = lookup_latency(args, a, b, c)
+        stores = [store_point(args, a, b, c, blk) for blk in args.block_sizes]
+    finally:
+        for d in daemons:
+            d.stop()
+        cluster.close()
+    report = {"machine": bl.machine_notes(), "cluster": "3 masters, loopback, redis-server "
+              + os.popen("redis-server --version").read().split()[2].split("=")[1],
+              "load": loads, "lookup": lookup, "store": stores}
+    tables = [
+        bl.table(["block", "N", "remote load GB/s", "local load GB/s", "redis GET GB/s", "remote/local",
+                  "remote/GET"],
+                 [[bl.short_size(r["block_bytes"]), r["batch"], r["remote_gbps"], r["local_gbps"],
+                   r["redis_get_gbps"], r["remote_vs_local"], r["remote_vs_redis_get"]] for r in loads],
+                 "Load N blocks on node B"),
+        bl.table(["case", "p50 us", "p99 us"],
+                 [[k, lookup[f"{k}_p50_us"], lookup[f"{k}_p99_us"]]
+                  for k in ("miss_no_remote", "miss_remote", "hit_remote")],
+                 f"Lookup of an 8-block chain (remote miss adds {lookup['added_by_remote_miss_p50_us']:.0f} us p50)"),
+        bl.table(["block", "N", "store GB/s write-behind", "store GB/s no remote", "ratio", "visible on B ms"],
+                 [[bl.short_size(r["block_bytes"]), r["batch"], r["write_behind_gbps"], r["no_remote_gbps"],
+                   r["write_behind_vs_no_remote"], r["visible_on_b_ms"]] for r in stores],
+                 "Store on node A"),
+    ]
+    bl.emit(report, tables, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,28 @@
+"""Remote settings: URLs and seed lists parse, bad ones are refused naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.daemon.config import DaemonConfig, load_config
+from kvtier.remote.settings import RemoteSettings, parse_url
+
+
+def test_a_seed_list_with_credentials_parses_and_displays_without_them():
+    seeds, user, password = parse_url("redis://bob:s%40cret@10.0.0.1:7000,10.0.0.2:7001")
+    assert seeds == [("10.0.0.1", 7000), ("10.0.0.2", 7001)] and (user, password) == ("bob", "s@cret")
+    s = RemoteSettings("rediss://bob:x@h:1", password="explicit")
+    assert s.tls and s.credentials == ("bob", "explicit") and s.display == "rediss://h:1"
+
+
+@pytest.mark.parametrize("url", ["http://h:1", "redis://h", "redis://h:99999", "redis://:1"])
+def test_bad_remote_urls_are_refused_naming_the_key(url):
+    with pytest.raises(ValueError, match="config remote:"):
+        DaemonConfig(remote=url)
+
+
+def test_remote_keys_come_from_the_environment_with_sizes():
+    cfg = load_config(env={"KVTIER_REMOTE": "redis://127.0.0.1:7000", "KVTIER_REMOTE_BUDGET": "2GiB",
+                           "KVTIER_REMOTE_TTL_S": "60"})
+    assert (cfg.remote, cfg.remote_budget, cfg.remote_ttl_s) == ("redis://127.0.0.1:7000", 2 * 2**30, 60.0)
+    assert DaemonConfig().remote == ""  # off by default

@@ -1,0 +1,153 @@
+"""The remote tier on its own against a real Redis Cluster of three masters:
+pools are plain bytearrays, the caller is the test."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+
+import pytest
+
+from kvtier.remote import values as v
+from kvtier.remote.settings import RemoteSettings
+from kvtier.remote.tier import RemoteTier
+
+FP = "tiny-llama|float16|flashinfer|bs16|tp0of1"
+SIZE = 16 * 1024
+
+
+def chain(tag: int, n: int) -> list[bytes]:
+    return [bytes([tag]) + i.to_bytes(4, "little") + bytes(11) for i in range(n)]
+
+
+def filled_pool(blocks: int) -> bytearray:
+    return bytearray(os.urandom(blocks * SIZE))
+
+
+def wait_jobs(tier: RemoteTier, n: int, timeout: float = 20.0) -> list:
+    """Completions, waited for on the tier's wakeup fd as the daemon's poller does."""
+    jobs, deadline = [], time.monotonic() + timeout
+    while len(jobs) < n:
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {len(jobs)} of {n} jobs completed: {tier.stats()}"
+        select.select([tier.wakeup_fd], [], [], left)
+        jobs += tier.completed()
+    return jobs
+
+
+@pytest.fixture
+def make_tier(cluster):
+    made = []
+
+    def make(pool, **kw):
+        t = RemoteTier(RemoteSettings(cluster.url, **kw), pool)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def test_blocks_written_behind_by_one_tier_are_fetched_byte_exactly_by_another(make_tier):
+    """Node A writes 8 blocks; node B, with its own pool, probes the chain and fetches them."""
+    keys = chain(1, 8)
+    pool_a = filled_pool(8)
+    a = make_tier(pool_a)
+    assert a.write(FP, keys, [i * SIZE for i in range(8)], SIZE, "w")
+    assert [j.token for j in wait_jobs(a, 1)] == ["w"]
+    assert a.stats()["written"] == 8 and a.stats()["written_bytes"] == 8 * SIZE
+
+    pool_b = bytearray(10 * SIZE)
+    b = make_tier(pool_b)
+    assert b.probe(FP, keys + chain(9, 3), "p")  # the chain goes on past what was written
+    [probe] = wait_jobs(b, 1)
+    assert probe.hits == 8 and not probe.error
+    # Into B's pool at other offsets, in reverse order.
+    offsets = [(9 - i) * SIZE for i in range(8)]
+    assert b.fetch(FP, keys, offsets, SIZE, "f")
+    [fetch] = wait_jobs(b, 1)
+    assert fetch.failed == [] and len(fetch.crcs) == 8
+    for i, off in enumerate(offsets):
+        assert pool_b[off:off + SIZE] == pool_a[i * SIZE:(i + 1) * SIZE]
+    assert b.stats()["fetched"] == 8 and b.stats()["remote_hits"] == 8
+
+
+def test_a_probe_counts_only_the_unbroken_run_from_the_start(make_tier):
+    keys = chain(2, 6)
+    pool = filled_pool(6)
+    t = make_tier(pool)
+    written = [0, 1, 3, 4, 5]  # block 2 never reached the store
+    assert t.write(FP, [keys[i] for i in written], [i * SIZE for i in written], SIZE, "w")
+    wait_jobs(t, 1)
+    assert t.probe(FP, keys, "p")
+    assert wait_jobs(t, 1)[0].hits == 2
+
+
+def test_missing_corrupt_and_foreign_values_are_reported_failed_and_never_copied(make_tier, cluster):
+    keys = chain(3, 4)
+    pool = filled_pool(4)
+    t = make_tier(pool)
+    assert t.write(FP, keys, [i * SIZE for i in range(4)], SIZE, "w")
+    wait_jobs(t, 1)
+    r = cluster.client()
+    ns = v.namespace_digest(FP)
+    k1, k2, k3 = (v.remote_key(ns, keys[i]) for i in (1, 2, 3))
+    flipped = bytearray(r.get(k1))
+    flipped[v.HEADER_BYTES + 5] ^= 1
+    r.set(k1, bytes(flipped))                # a flipped payload bit
+    r.set(k2, r.get(v.remote_key(ns, keys[0])))  # block 0's intact value under block 2's key
+    r.delete(k3)                              # gone between lookup and load
+
+    # Fetch into a pool region filled with a marker: only the intact block may land there.
+    fill = b"\xee" * 4 * SIZE
+    pool[:] = fill
+    assert t.fetch(FP, keys, [i * SIZE for i in range(4)], SIZE, "f")
+    [job] = wait_jobs(t, 1)
+    assert sorted(job.failed) == [1, 2, 3]
+    s = t.stats()
+    assert (s["fetched"], s["corrupt"], s["missing"], s["fetch_failed"]) == (1, 2, 1, 3)
+    assert pool[:SIZE] != fill[:SIZE] and pool[SIZE:] == fill[SIZE:]
+    # The rejected values are deleted: a later probe no longer offers them.
+    assert t.probe(FP, keys, "p")
+    assert wait_jobs(t, 1)[0].hits == 1
+
+
+def test_values_expire_after_the_ttl_and_the_budget_caps_what_one_node_writes(make_tier, cluster):
+    keys = chain(4, 10)
+    pool = filled_pool(10)
+    t = make_tier(pool, ttl_s=120.0, budget=3 * SIZE)
+    assert t.write(FP, keys, [i * SIZE for i in range(10)], SIZE, "w")
+    wait_jobs(t, 1)
+    s = t.stats()
+    assert (s["written"], s["budget_skipped"], s["window_bytes"]) == (3, 7, 3 * SIZE)
+    r = cluster.client()
+    ns = v.namespace_digest(FP)
+    ttls = [r.pttl(v.remote_key(ns, k)) for k in keys]
+    assert all(0 < ms <= 120_000 for ms in ttls[:3]) and ttls[3:] == [-2] * 7  # -2: no such key
+
+
+def test_an_unreachable_store_fails_fast_opens_the_breaker_and_never_raises(tmp_path):
+    """Nothing listens on the port: every call reports an error, and once the breaker is open
+    the verbs refuse at once so the caller answers locally."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pool = filled_pool(2)
+    t = RemoteTier(RemoteSettings(f"redis://127.0.0.1:{port}", timeout_s=0.2), pool)
+    try:
+        for i in range(3):
+            assert t.probe(FP, chain(5, 2), i)
+            [job] = wait_jobs(t, 1)
+            assert job.hits == 0 and job.error
+        assert t.stats()["state"] == "open"
+        assert not t.probe(FP, chain(5, 2), "refused")
+        assert not t.fetch(FP, chain(5, 2), [0, SIZE], SIZE, "refused")
+        assert not t.write(FP, chain(5, 2), [0, SIZE], SIZE, "refused")
+        s = t.stats()
+        assert s["probe_skipped"] == 1 and s["fetch_skipped"] == 2 and s["write_skipped"] == 2
+        assert s["errors"] >= 3 and s["last_error"]
+    finally:
+        t.close()
