@@ -2,18 +2,25 @@
 
 Commands: status, top (live, rates per second), clients, namespaces, flush.
 Every command takes ``--socket`` and ``--json``. Exit codes: 0 ok, 1 the
-daemon answered with an error, 3 no daemon at the socket.
+daemon answered with an error (or refused the token), 3 no daemon running at
+the socket.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .client import Client, DaemonUnavailable, KVTierError
+from .console import print_or_pipe_closed
 from .pool.sizes import format_size
+from .protocol.endpoints import default_socket
 from .top import run_top
+
+
+CLI_NAME = "kvtier-cli"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,34 +51,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo.run import run
         return run(args)
+    socket = args.socket or default_socket()
+    if not socket.startswith(("tcp://", "ipc://")) and not os.path.exists(socket):
+        print(f"kvtier: no kvtier daemon is running at {socket} (no such socket). Start one with "
+              "`kvtier-daemon`, or point --socket / KVTIER_SOCKET at it.", file=sys.stderr)
+        return 3
     try:
         # top may idle longer than the reap timeout between refreshes: keep it alive
-        client = Client(args.socket, name="kvtier-cli", timeout=args.timeout, token=args.token or "",
+        client = Client(socket, name=CLI_NAME, timeout=args.timeout, token=args.token or "",
                         heartbeat=args.command == "top")
-    except DaemonUnavailable as exc:
-        print(f"kvtier: {exc}", file=sys.stderr)
+    except DaemonUnavailable:
+        print(f"kvtier: no kvtier daemon answers at {socket} (the socket exists but nothing "
+              f"replied within {args.timeout:g}s: a daemon that died, or is still starting).", file=sys.stderr)
         return 3
     except KVTierError as exc:  # HELLO refused: token, protocol version
         print(f"kvtier: {exc}", file=sys.stderr)
         return 1
     try:
         with client:
-            if args.command == "status":
-                stats = client.stats()
-                print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_status(stats))
-            elif args.command == "top":
+            if args.command == "top":
                 return run_top(client, args.interval, args.iterations, args.json)
-            elif args.command in ("clients", "namespaces"):
-                rows = client.stats()[args.command]
-                render = render_clients if args.command == "clients" else render_namespaces
-                print(json.dumps(rows, indent=2, sort_keys=True) if args.json else render(rows))
-            else:
-                removed = client.flush(args.namespace or None)
-                print(json.dumps({"removed": removed}) if args.json else f"removed {removed} blocks")
+            return print_or_pipe_closed(run_command(client, args))
     except KVTierError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
         return 1
-    return 0
+
+
+def run_command(client: Client, args) -> str:
+    if args.command == "flush":
+        removed = client.flush(args.namespace or None)
+        return json.dumps({"removed": removed}) if args.json else f"removed {removed} blocks"
+    stats = client.stats()
+    # This CLI is a client too while it asks; it is not one of the engines being listed.
+    stats["clients"] = [c for c in stats["clients"] if c["id"] != client.client_id]
+    if args.command == "status":
+        return json.dumps(stats, indent=2, sort_keys=True) if args.json else render_status(stats)
+    rows = stats[args.command]
+    render = render_clients if args.command == "clients" else render_namespaces
+    return json.dumps(rows, indent=2, sort_keys=True) if args.json else render(rows)
 
 
 def render_status(s: dict) -> str:

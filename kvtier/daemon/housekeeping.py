@@ -56,7 +56,7 @@ class Housekeeping:
 
     def notify_ready(self) -> None:
         self.notifier.ready(f"serving on {self.config.socket}")
-        log.info("ready")
+        log.info("ready: serving on %s (from another terminal: kvtier status)", self.config.socket)
 
     def tick(self) -> float:
         """Called once per loop turn; returns seconds until it next needs to run."""

@@ -23,7 +23,16 @@ FINAL_REPLY_LINGER_MS = 1000  # at exit, give queued final replies this long to 
 
 
 class StartupError(RuntimeError):
-    """The daemon cannot start with this configuration (message says why)."""
+    """The daemon cannot start (message says why): exit 1, systemd may retry."""
+
+    exit_code = 1
+
+
+class UnfitConfig(StartupError):
+    """The configuration can never work on this machine (e.g. a pool larger
+    than RAM allows): exit 2, which the unit's RestartPreventExitStatus honours."""
+
+    exit_code = 2
 
 
 def take_socket_lock(path: str) -> int | None:

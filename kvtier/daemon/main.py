@@ -1,7 +1,8 @@
 """``kvtier-daemon``: parse flags, load config, run the loop until SIGTERM.
 
-Exit codes: 0 clean stop, 1 cannot start (pool, socket, metrics port), 2 bad
-configuration (the message names the key). SIGHUP re-reads the config file
+Exit codes: 0 clean stop, 1 cannot start (socket taken, metrics port, shared
+memory), 2 a configuration that cannot work (invalid value - the message names
+the key - or a pool larger than RAM allows); systemd does not restart on 2. SIGHUP re-reads the config file
 and environment and applies the keys that are safe to change live.
 """
 
@@ -13,6 +14,7 @@ import logging
 import signal
 import sys
 
+from ..console import print_or_pipe_closed
 from .config import load_config
 from .logs import setup_logging
 from .notify import Notifier
@@ -53,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier-daemon: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(json.dumps(config.as_dict(), indent=2))
-        return 0
+        return print_or_pipe_closed(json.dumps(config.as_dict(), indent=2))
     setup_logging(config.log_level, config.log_format)
     notifier = Notifier()
     try:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         logging.getLogger("kvtier.daemon").error("cannot start: %s", exc)
         notifier.status(f"cannot start: {exc}")
-        return 1
+        return exc.exit_code
     daemon.install_signals()
     signal.signal(signal.SIGHUP, daemon.request_reload)
     daemon.serve_forever(ready=daemon.notify_ready)

@@ -49,13 +49,13 @@ from ..waker import Waker
 from .config import DaemonConfig
 from .copies import CopyRunner
 from .housekeeping import Housekeeping
-from .listen import Listener, StartupError, take_socket_lock
+from .listen import Listener, StartupError, UnfitConfig, take_socket_lock
 from .requests import REFUSED_WHILE_DRAINING, RequestHandlers
 from .sessions import Sessions
 from .state import DaemonError
 from .stats import daemon_stats
 
-__all__ = ["Daemon", "StartupError"]
+__all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
 POOL_PREFIX = "kvtier-pool."
 CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long for copies to stop
@@ -78,6 +78,7 @@ class Daemon:
         self._check_ram(config)
         self.pool_name = f"/{POOL_PREFIX}{os.getpid()}"
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
+        log.info("reserving and prefaulting a %s pool (about a second per GiB)...", format_size(config.pool_size))
         try:
             self.segment = ShmSegment(self.pool_name, config.pool_size, create=True, mode=config.shm_mode)
         except Exception as exc:
@@ -122,7 +123,7 @@ class Daemon:
         avail = psutil.virtual_memory().available
         limit = int(avail * config.ram_fraction)
         if config.pool_size > limit:
-            raise StartupError(
+            raise UnfitConfig(
                 f"pool size {format_size(config.pool_size)} exceeds {config.ram_fraction:.0%} "
                 f"of available RAM ({format_size(avail)}); lower pool_size or raise ram_fraction")
 
