@@ -3,7 +3,7 @@
 The daemon's pool is one segment; on CPU, engine workers also place their KV
 tensors in segments that the daemon opens by name (the CPU twin of CUDA IPC).
 
-Design notes (REFERENCE.md):
+Design notes (measured on the dev machine):
   * ``ftruncate`` is sparse, so an oversize pool would only fail later with
     SIGBUS; ``posix_fallocate`` reserves tmpfs pages now and fails fast.
   * mapping with MAP_POPULATE prefaults page tables so first copies run at

@@ -25,7 +25,6 @@ keys, offsets, size, token) -> bool``, ``write(ns, keys, offsets, size, token)
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -37,6 +36,7 @@ from . import values as v
 from .breaker import CLOSED, OPEN, Breaker
 from .settings import RemoteSettings
 from .store import RedisStore, Unreachable
+from ..waker import Waker
 
 log = logging.getLogger("kvtier.remote")
 
@@ -70,9 +70,7 @@ class RemoteTier:
         self.window: deque = deque()        # (time, bytes) written in the last ttl_s, for the budget
         self.window_bytes = 0
         self._names: dict[str, v.NamespaceDigest] = {}
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        os.set_blocking(self._wfd, False)
+        self._waker = Waker()
         self._done: queue.Queue = queue.Queue()
         self._queues = {k: queue.Queue() for k in ("probe", "fetch", "write")}
         self._closing = threading.Event()
@@ -84,7 +82,7 @@ class RemoteTier:
     # ---- loop-thread API --------------------------------------------------------------
     @property
     def wakeup_fd(self) -> int:
-        return self._rfd
+        return self._waker.fd
 
     def available(self) -> bool:
         with self.lock:
@@ -126,11 +124,7 @@ class RemoteTier:
         return True
 
     def completed(self) -> list[Job]:
-        try:
-            while os.read(self._rfd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        self._waker.clear()
         out = []
         while True:
             try:
@@ -159,8 +153,7 @@ class RemoteTier:
             q.put(None)
         for t in self._threads:
             t.join(timeout=5 + 2 * self.settings.timeout_s)
-        for fd in (self._rfd, self._wfd):
-            os.close(fd)
+        self._waker.close()
         if not any(t.is_alive() for t in self._threads):
             self.pool.release()  # the pool's owner may unmap it now
 
@@ -221,10 +214,7 @@ class RemoteTier:
 
     def _report(self, job: Job) -> None:
         self._done.put(job)
-        try:
-            os.write(self._wfd, b"r")
-        except BlockingIOError:
-            pass  # pipe full: the loop is already due to wake
+        self._waker.wake()
 
     def _call(self, fn, *args):
         """Run one store call under the breaker; Unreachable opens it."""

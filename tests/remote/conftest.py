@@ -7,11 +7,16 @@ import pytest
 from tests.remote.cluster import LocalCluster, why_missing
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def running_cluster():
+    """A fresh three-master cluster for the duration of the fixture."""
     why = why_missing()
     if why:
         pytest.fail(f"the remote-tier tests need a Redis Cluster: {why}", pytrace=False)
     c = LocalCluster()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from running_cluster()

@@ -14,7 +14,7 @@ import torch
 from kvtier.client import block_hashes
 from kvtier.remote import values as v
 from tests.helpers import NS, make_kv
-from tests.remote.cluster import LocalCluster, why_missing
+from tests.remote.conftest import running_cluster
 
 TOKENS = list(range(5000, 5000 + 16 * 12))  # 12 full blocks
 
@@ -148,12 +148,7 @@ def test_a_corrupted_remote_value_is_detected_and_reported_failed(daemon_factory
 @pytest.fixture
 def own_cluster():
     """A cluster this test may kill: the module's shared one stays up for the others."""
-    why = why_missing()
-    if why:
-        pytest.fail(f"the remote-tier tests need a Redis Cluster: {why}", pytrace=False)
-    c = LocalCluster()
-    yield c
-    c.close()
+    yield from running_cluster()
 
 
 def test_with_redis_killed_both_nodes_serve_locally_and_recover_when_it_is_back(daemon_factory, own_cluster):
