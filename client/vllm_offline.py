@@ -50,9 +50,10 @@ def make_tiny_llama(path: str, layers: int = 2, hidden: int = 128, seed: int = 0
     return path
 
 
-def shared_prefix_prompts(prefix_tokens: int, n: int, suffix_tokens: int = 24, vocab: int = 500) -> list:
+def shared_prefix_prompts(prefix_tokens: int, n: int, suffix_tokens: int = 24, vocab: int = 500,
+                          seed: int = 1234) -> list:
     import random
-    rng = random.Random(1234)
+    rng = random.Random(seed)
     prefix = [rng.randrange(1, vocab) for _ in range(prefix_tokens)]
     return [prefix + [rng.randrange(1, vocab) for _ in range(suffix_tokens)] for _ in range(n)]
 
