@@ -46,6 +46,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _MAP_FIXED = 0x10
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # page tables now, not a fault per page in attention
 _FAILED = ctypes.c_void_p(-1).value
 
 
@@ -131,6 +132,6 @@ def _move(fd: int, addr: int, length: int, offset: int) -> None:
         del view
     finally:
         window.close()
-    got = _libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, fd, offset)
+    got = _libc.mmap(addr, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED | _POPULATE, fd, offset)
     if got in (None, _FAILED) or got != addr:
         raise AdoptError(f"mmap over {addr:#x} failed: {os.strerror(ctypes.get_errno())}")
