@@ -1,0 +1,30 @@
+"""kvtier as vLLM's KV offloading tier.
+
+Load it with::
+
+    kv_transfer_config = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KVTierOffloadingSpec",
+            "spec_module_path": "kvtier.integrations.vllm",
+        },
+    }
+
+Where each part runs (three processes touch it, each with its own kvtier client):
+
+* ``connector.py`` - ``KVTierConnector``: vLLM's ``OffloadingConnector`` plus
+  what it lacks for a shared tier: batched lookups and failed loads reported
+  to the scheduler (which then recomputes).
+* ``spec.py`` - ``KVTierOffloadingSpec``: builds the two sides below.
+* ``manager.py`` - scheduler side (engine core): lookups, no data.
+* ``worker.py`` - worker side: adopts vLLM's CPU KV tensors into shared
+  memory and asks the daemon to copy blocks.
+* ``naming.py`` - namespace and key derivation (no vLLM import).
+"""
+
+from .connector import KVTierConnector
+from .spec import KVTierOffloadingSpec
+
+__all__ = ["KVTierConnector", "KVTierOffloadingSpec"]

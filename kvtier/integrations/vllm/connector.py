@@ -1,0 +1,112 @@
+"""``KVTierConnector``: vLLM's OffloadingConnector, made safe for a shared tier.
+
+What it changes, and why:
+
+* Worker side: the stock worker asserts that every transfer succeeded. With
+  a tier shared by many engines a hit can be evicted before its load runs,
+  and the daemon can go away; such a load is reported as a *failed receive*
+  (``KVConnectorTransferResults.failed_recving``), on which vLLM's scheduler
+  drops the request's computed tokens and recomputes them (its default
+  ``kv_load_failure_policy="recompute"``). The blocks a failed load may have
+  half written are never used.
+* Scheduler side: before vLLM looks a request's chunks up one by one, the
+  request's keys go to the manager in one batch (one round trip per request
+  per step), and a request whose load failed is never offered a hit again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+from .spec import _ENGINE, EngineConfigs
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.vllm")
+
+
+class KVTierConnectorWorker(OffloadingConnectorWorker):
+    """Reports failed loads instead of asserting that none fail."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failed_loads: set[str] = set()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        assert self.worker is not None
+        finished_recving: set[str] = set()
+        for result in self.worker.get_finished():
+            is_load = result.job_id in self._load_jobs
+            if result.transfer_time is not None and result.transfer_size is not None and result.success:
+                stats = self._connector_worker_meta.transfer_stats
+                (stats.load if is_load else stats.store).record(result.transfer_size, result.transfer_time)
+            self._connector_worker_meta.mark_completed(result.job_id)
+            req_id = self._load_jobs.pop(result.job_id, None)
+            if req_id is not None:
+                finished_recving.add(req_id)  # failed receives are finished too
+                if not result.success:
+                    self.failed_loads.add(req_id)
+        return set(), finished_recving
+
+    def take_failed_loads(self) -> set[str]:
+        failed, self.failed_loads = self.failed_loads, set()
+        return failed
+
+
+class KVTierConnector(OffloadingConnector):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        transfer = vllm_config.kv_transfer_config
+        if role == KVConnectorRole.SCHEDULER and transfer.kv_load_failure_policy != "recompute":
+            # vLLM's default fails the *request* when a load fails. For a shared
+            # tier a failed load (evicted since the lookup, daemon restarted) is
+            # an ordinary miss: recompute. The scheduler reads the policy after
+            # building its connector, so setting it here takes effect.
+            log.info("kvtier: kv_load_failure_policy=%r -> 'recompute' (a failed kvtier load is a miss)",
+                     transfer.kv_load_failure_policy)
+            transfer.kv_load_failure_policy = "recompute"
+        token = _ENGINE.set(EngineConfigs(vllm_config, kv_cache_config))
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        finally:
+            _ENGINE.reset(token)
+        if self.connector_worker is not None:
+            self.connector_worker = KVTierConnectorWorker(self.connector_worker.spec, vllm_config,
+                                                          kv_cache_config)
+
+    # ---- worker side ---------------------------------------------------------------------
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished_sending, finished_recving = self.get_finished(finished_req_ids)
+        assert isinstance(self.connector_worker, KVTierConnectorWorker)
+        return KVConnectorTransferResults(finished_sending=set(finished_sending or ()),
+                                          finished_recving=set(finished_recving or ()),
+                                          failed_recving=self.connector_worker.take_failed_loads())
+
+    # ---- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        self._prefetch(request, num_computed_tokens)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _prefetch(self, request: "Request", num_computed_tokens: int) -> None:
+        """One batched lookup of the chunks vLLM is about to ask for one by one."""
+        sched = self.scheduler
+        state = sched._req_status.get(request.request_id)
+        if state is None or state.transfer_jobs or request.skip_reading_prefix_cache:
+            return
+        state.update_offload_keys()  # idempotent; vLLM's own lookup calls it again
+        tokens_per_chunk = sched.config.kv_group_configs[0].tokens_per_chunk
+        keys = state.group_states[0].offload_keys[num_computed_tokens // tokens_per_chunk:]
+        sched.manager.prefetch(request.request_id, keys)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        super().update_connector_output(connector_output)
+        for req_id in connector_output.failed_recving or ():
+            log.warning("kvtier: load for request %s failed; vLLM recomputes it", req_id)
+            self.scheduler.manager.exclude(req_id)

