@@ -30,7 +30,66 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-class DaemonProc:
+class DaemonHandle:
+    """What tests use of a daemon, wherever it runs."""
+
+    socket: str
+
+    def client(self, **kw):
+        from kvtier.client import Client
+        kw.setdefault("timeout", 10.0)
+        return Client(self.socket, **kw)
+
+    def stats(self, check: bool = True) -> dict:
+        with self.client(heartbeat=False, name=PROBE) as c:
+            s = c.stats(check)
+        s["clients"] = [c for c in s["clients"] if c["name"] != PROBE]  # not the probe itself
+        if check:
+            assert s["integrity"] == "ok", s["integrity"]
+        return s
+
+
+class InProcessDaemon(DaemonHandle):
+    """The daemon's composed parts in this process, its loop on a thread: no
+    interpreter start or torch import (~2 s each). For every test where no
+    process boundary (signals, kills, the daemon's own pid) is under test.
+    Takes the same arguments as ``DaemonProc``: ``extra`` flags and ``KVTIER_*`` env."""
+
+    def __init__(self, tmp_path, pool_size="64MiB", slab_size="4MiB", extra=(), env=None, socket=None):
+        import logging
+        import threading
+
+        from kvtier.daemon.config import load_config
+        from kvtier.daemon.main import FLAG_KEYS, build_parser
+        from kvtier.daemon.server import Daemon
+        self.socket = socket or str(tmp_path / f"kvt-{uuid.uuid4().hex[:8]}.sock")
+        args = build_parser().parse_args(["--socket", self.socket, "--pool-size", pool_size,
+                                          "--slab-size", slab_size, *extra])
+        flags = {k: getattr(args, k) for k in FLAG_KEYS}
+        config = load_config(args.config, env={"KVTIER_REAP_INTERVAL_S": "0.1", **(env or {})}, flags=flags)
+        self._records: list[str] = []
+        self._handler = logging.Handler(logging.INFO)
+        self._handler.emit = lambda r: self._records.append(self._handler.format(r))
+        self._logger = logging.getLogger("kvtier")
+        self._logger.addHandler(self._handler)
+        if self._logger.level in (logging.NOTSET,) or self._logger.level > logging.INFO:
+            self._logger.setLevel(logging.INFO)
+        self.daemon = Daemon(config)
+        self._thread = threading.Thread(target=self.daemon.serve_forever, name="kvtier-daemon", daemon=True)
+        self._thread.start()
+
+    def read_log(self) -> str:
+        return "\n".join(self._records)
+
+    def stop(self, timeout=30.0) -> int:
+        if self._thread.is_alive():
+            self.daemon.request_stop()
+            self._thread.join(timeout)
+        self._logger.removeHandler(self._handler)
+        return 0
+
+
+class DaemonProc(DaemonHandle):
     """A kvtier-daemon subprocess; ``stop()`` sends SIGTERM and waits."""
 
     def __init__(self, tmp_path, pool_size="64MiB", slab_size="4MiB", extra=(), env=None, socket=None):
@@ -58,19 +117,6 @@ class DaemonProc:
         self.log.flush()
         return self.log_path.read_text()
 
-    def client(self, **kw):
-        from kvtier.client import Client
-        kw.setdefault("timeout", 10.0)
-        return Client(self.socket, **kw)
-
-    def stats(self, check: bool = True) -> dict:
-        with self.client(heartbeat=False, name=PROBE) as c:
-            s = c.stats(check)
-        s["clients"] = [c for c in s["clients"] if c["name"] != PROBE]  # not the probe itself
-        if check:
-            assert s["integrity"] == "ok", s["integrity"]
-        return s
-
     def stop(self, sig=signal.SIGTERM, timeout=30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -85,10 +131,13 @@ class DaemonProc:
 
 @pytest.fixture
 def daemon_factory(tmp_path):
+    """``start(process=False, **kw)``: an in-process daemon, or with
+    ``process=True`` a real ``kvtier-daemon`` subprocess (for signals, kills,
+    pids, logs on disk)."""
     started = []
 
-    def start(**kw):
-        d = DaemonProc(tmp_path, **kw)
+    def start(process: bool = False, **kw):
+        d = (DaemonProc if process else InProcessDaemon)(tmp_path, **kw)
         started.append(d)
         return d
 
@@ -100,3 +149,8 @@ def daemon_factory(tmp_path):
 @pytest.fixture
 def daemon(daemon_factory):
     return daemon_factory()
+
+
+@pytest.fixture
+def process_daemon(daemon_factory):
+    return daemon_factory(process=True)

@@ -55,7 +55,7 @@ def test_namespaces_json_and_table(daemon, engine, capsys):
 def test_clients_json_and_table(daemon, engine, capsys):
     code, out = run(capsys, "clients", "--socket", daemon.socket, "--json")
     rows = {c["name"]: c for c in json.loads(out)}
-    assert set(rows) == {"engine-x", "kvtier-cli"}  # the CLI is a client while it asks
+    assert set(rows) == {"engine-x"}  # the CLI asking is not listed
     assert rows["engine-x"]["namespaces"] == [NS.fingerprint()]
     assert rows["engine-x"]["inflight"] == 0
 

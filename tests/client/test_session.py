@@ -22,7 +22,7 @@ def test_a_reaped_clients_transfer_ends_with_the_daemons_cancel_confirmation(dae
     """The daemon reaps a silent client mid-store: it cancels the copy and still
     answers it once stopped, so the handle resolves soon (not after
     transfer_timeout) and only after nothing touches the blocks."""
-    d = daemon_factory(env=FAST_REAP)
+    d = daemon_factory(process=True, env=FAST_REAP)
     kv = make_kv(seed=2)
     hashes = [bytes([i]) * 16 for i in range(4)]
     # No heartbeat thread: the client goes silent and the daemon reaps it mid-store.
@@ -100,7 +100,7 @@ def test_undecodable_reply_neither_raises_nor_stops_the_heartbeat(tmp_path):
 def test_register_while_the_daemon_is_gone_is_replayed_later(daemon_factory):
     # Heartbeats 3 s apart: the daemon dies before the client has noticed.
     slow = {"KVTIER_HEARTBEAT_S": "3", "KVTIER_REAP_AFTER_S": "10"}
-    first = daemon_factory(env=slow)
+    first = daemon_factory(process=True, env=slow)
     kv = make_kv(seed=4)
     hashes = [bytes([i]) * 16 for i in range(4)]
     c = first.client(name="engine", timeout=2.0)
@@ -111,7 +111,7 @@ def test_register_while_the_daemon_is_gone_is_replayed_later(daemon_factory):
         assert c.register_kv_cache(kv, [0] * 4, NS) is None
         assert c.lookup(hashes) == 0
         # ... and once a daemon is back the heartbeat replays it.
-        daemon_factory(socket=first.socket, env=slow)
+        daemon_factory(process=True, socket=first.socket, env=slow)
         assert wait_for(lambda: c.connected, 15)
         assert c.store(hashes, [0, 1, 2, 3]).wait().ok
         assert c.lookup(hashes) == 4
@@ -123,7 +123,7 @@ def test_register_while_the_daemon_is_gone_is_replayed_later(daemon_factory):
 def test_close_cancels_transfers_in_flight_and_waits_for_the_confirmation(daemon_factory):
     """close() does not leave a copy running behind the engine's back: it
     cancels, and the handle is resolved by the daemon's answer."""
-    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "3"})
+    d = daemon_factory(process=True, env={"KVTIER_COPY_DELAY_S": "3"})
     kv = make_kv(seed=5)
     c = d.client(name="closing")
     try:

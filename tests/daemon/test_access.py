@@ -15,7 +15,7 @@ from tests.helpers import NS, make_kv
 
 def test_socket_and_pool_are_owner_group_only(daemon_factory):
     group = grp.getgrgid(os.getgid()).gr_name
-    d = daemon_factory(env={"KVTIER_SOCKET_GROUP": group})
+    d = daemon_factory(process=True, env={"KVTIER_SOCKET_GROUP": group})
     st = os.stat(d.socket)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
     pool = os.stat(f"/dev/shm/kvtier-pool.{d.proc.pid}")
@@ -32,7 +32,7 @@ def test_unknown_socket_group_refuses_to_start(tmp_path):
 
 
 def test_token_is_required_when_configured(daemon_factory):
-    d = daemon_factory(env={"KVTIER_TOKEN": "s3cret"})
+    d = daemon_factory(process=True, env={"KVTIER_TOKEN": "s3cret"})
     with pytest.raises(KVTierError) as exc:
         Client(d.socket, timeout=3)
     assert exc.value.code == ErrorCode.UNAUTHORIZED and exc.value.side == "client"
@@ -61,7 +61,7 @@ def test_token_is_required_when_configured(daemon_factory):
 
 def test_checksum_mismatch_fails_the_load_and_drops_the_block(daemon_factory):
     import mmap
-    d = daemon_factory(env={"KVTIER_CHECKSUMS": "1"})
+    d = daemon_factory(process=True, env={"KVTIER_CHECKSUMS": "1"})
     kv = make_kv(seed=21)
     hashes = [bytes([i]) * 16 for i in range(4)]
     with d.client() as c:

@@ -13,7 +13,8 @@ from kvtier.protocol import messages as m
 from tests.daemon.test_reaping import wait_for
 
 
-def test_hello_from_a_dead_pid_is_reaped_by_pid(daemon):
+def test_hello_from_a_dead_pid_is_reaped_by_pid(process_daemon):
+    daemon = process_daemon
     # A worker SIGKILLed right after sending HELLO: the daemon reads the HELLO
     # when the pid no longer exists, so it cannot record a start time.
     gone = subprocess.Popen([sys.executable, "-c", "pass"])

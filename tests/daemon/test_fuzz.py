@@ -178,7 +178,7 @@ def dropped_connections(fuzzer: Fuzzer, path: str, rng: random.Random) -> int:
 
 
 def test_fuzz_the_daemon_socket(daemon_factory, record_property):
-    d = daemon_factory(pool_size="64MiB", slab_size="4MiB", env={"KVTIER_MAX_MESSAGE": str(MAX_MESSAGE)})
+    d = daemon_factory(process=True, pool_size="64MiB", slab_size="4MiB", env={"KVTIER_MAX_MESSAGE": str(MAX_MESSAGE)})
     budget = int(os.environ.get("KVTIER_FUZZ_CASES", "4000"))
     rng = random.Random(SEED)
     good_kv, fuzz_kv = make_kv(seed=7), ShmKVCache([(16, 2, 4, 2, 16)])  # 16 KiB vs 512 B blocks

@@ -35,7 +35,7 @@ def engine_until(socket: str, point: str, ready: str) -> None:
 
 @pytest.mark.parametrize("point", ["hello", "idle", "mid-store", "mid-load", "swap", "mid-offload"])
 def test_sigkill_at_every_point_returns_the_pool_to_baseline(daemon_factory, tmp_path, point):
-    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "0.3"})
+    d = daemon_factory(process=True, env={"KVTIER_COPY_DELAY_S": "0.3"})
     kv = make_kv(seed=3)
     with d.client(name="survivor") as keeper:
         keeper.register_kv_cache(kv, [0] * 4, NS)
@@ -66,7 +66,7 @@ def test_sigkill_at_every_point_returns_the_pool_to_baseline(daemon_factory, tmp
 
 
 def test_a_hung_client_is_reaped_by_heartbeat_silence_and_recovers(daemon_factory, tmp_path):
-    d = daemon_factory(env={"KVTIER_HEARTBEAT_S": "0.3", "KVTIER_REAP_AFTER_S": "1.5"})
+    d = daemon_factory(process=True, env={"KVTIER_HEARTBEAT_S": "0.3", "KVTIER_REAP_AFTER_S": "1.5"})
     ready = str(tmp_path / "ready")
     p, _ = spawn(engine_until, d.socket, "swap", ready)
     assert wait_for(lambda: os.path.exists(ready), 30)

@@ -33,7 +33,7 @@ def wait_for(d, text, timeout=10.0) -> list[dict]:
 
 
 def test_json_lines_per_event_not_per_block(daemon_factory):
-    d = daemon_factory(extra=["--log-format", "json"])
+    d = daemon_factory(process=True, extra=["--log-format", "json"])
     kv = make_kv(seed=5)
     with d.client(name="engine") as c:
         c.register_kv_cache(kv, [0] * len(kv.tensors), NS)

@@ -31,7 +31,7 @@ def wait_for(pred, timeout=10.0, interval=0.05):
 
 def test_killed_mid_store_leaves_no_blocks_or_pins(daemon_factory, tmp_path):
     # Every copy stalls 1 s, so the store is certainly in flight when we kill.
-    d = daemon_factory(extra=["--log-level", "INFO"], env={"KVTIER_COPY_DELAY_S": "1.0"})
+    d = daemon_factory(process=True, extra=["--log-level", "INFO"], env={"KVTIER_COPY_DELAY_S": "1.0"})
     ready = str(tmp_path / "ready")
     p, _ = spawn(store_then_hang, d.socket, ready)
     assert wait_for(lambda: os.path.exists(ready), 30)
@@ -73,7 +73,7 @@ def load_then_hang(socket: str, ready_path: str) -> None:
 
 
 def test_killed_mid_load_releases_pins(daemon_factory, tmp_path):
-    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "0.5"})
+    d = daemon_factory(process=True, env={"KVTIER_COPY_DELAY_S": "0.5"})
     kv = make_kv(seed=9)
     hashes = [bytes([i]) * 16 for i in range(16)]
     with d.client(name="writer") as c:

@@ -13,7 +13,7 @@ from tests.helpers import NS, make_kv
 
 
 def test_clients_survive_a_daemon_kill_and_reconnect(daemon_factory):
-    first = daemon_factory()
+    first = daemon_factory(process=True)
     kv = make_kv(seed=7)
     hashes = [bytes([i]) * 16 for i in range(16)]
     c = first.client(name="engine", timeout=2.0)
@@ -46,7 +46,7 @@ def test_clients_survive_a_daemon_kill_and_reconnect(daemon_factory):
 
         # A new daemon on the same socket: stale segment removed, client back by itself.
         spawned = time.monotonic()
-        second = daemon_factory(socket=first.socket)
+        second = daemon_factory(process=True, socket=first.socket)
         ready = time.monotonic()
         assert not os.path.exists(pool_segment)
         assert wait_for(lambda: c.connected, 10)
@@ -77,7 +77,7 @@ def test_client_started_before_the_daemon_connects_later(daemon_factory, tmp_pat
         assert not c.connected
         assert c.register_kv_cache(kv, [0] * 4, NS) is None  # remembered for later
         assert c.lookup([b"x" * 16]) == 0
-        daemon_factory(socket=sock)
+        daemon_factory(process=True, socket=sock)
         assert wait_for(lambda: c.connected, 10)
         assert c.store([b"x" * 16], [3]).wait().ok
         assert c.lookup([b"x" * 16]) == 1

@@ -31,7 +31,8 @@ def bye_and_vanish(socket: str, name_file: str) -> None:
     os._exit(0)  # never closes its cache
 
 
-def test_segments_of_dead_non_clients_are_swept(daemon, tmp_path):
+def test_segments_of_dead_non_clients_are_swept(process_daemon, tmp_path):
+    daemon = process_daemon
     names = []
     for i, (target, args) in enumerate([(create_and_vanish, ()), (bye_and_vanish, (daemon.socket,))]):
         path = str(tmp_path / f"name-{i}")

@@ -49,7 +49,7 @@ def blocks_equal(kv, ids, value: float) -> bool:
 
 
 def test_a_store_that_timed_out_is_never_committed(daemon_factory):
-    d = daemon_factory(env=SLOW)
+    d = daemon_factory(process=True, env=SLOW)
     kv = make_kv(seed=1)
     with d.client(name="engine", transfer_timeout=0.5) as engine, d.client(name="other") as other:
         engine.register_kv_cache(kv, [0] * 4, NS)
@@ -70,7 +70,7 @@ def test_a_store_that_timed_out_is_never_committed(daemon_factory):
 
 
 def test_a_load_that_timed_out_never_overwrites_what_the_engine_wrote_next(daemon_factory):
-    d = daemon_factory(env=SLOW)
+    d = daemon_factory(process=True, env=SLOW)
     src, dst = make_kv(seed=2), make_kv(seed=3)
     with d.client(name="writer") as writer, d.client(name="reader", transfer_timeout=0.5) as reader:
         writer.register_kv_cache(src, [0] * 4, NS)
@@ -93,7 +93,7 @@ def test_a_load_that_timed_out_never_overwrites_what_the_engine_wrote_next(daemo
 
 def test_sigterm_drains_while_still_serving_and_answers_every_transfer(daemon_factory):
     # Copies (~2.4 s) outlast the client's loss detection (2 missed heartbeats = 2 s).
-    d = daemon_factory(env={**SLOW, "KVTIER_COPY_DELAY_S": "0.4"})
+    d = daemon_factory(process=True, env={**SLOW, "KVTIER_COPY_DELAY_S": "0.4"})
     src, dst = make_kv(seed=4), make_kv(seed=5)
     with d.client(name="a") as a, d.client(name="b") as b:
         a.register_kv_cache(src, [0] * 4, NS)
@@ -118,7 +118,7 @@ def test_sigterm_drains_while_still_serving_and_answers_every_transfer(daemon_fa
 
 
 def test_a_drain_past_its_deadline_cancels_and_still_answers(daemon_factory):
-    d = daemon_factory(env={**SLOW, "KVTIER_DRAIN_TIMEOUT_S": "0.5"})
+    d = daemon_factory(process=True, env={**SLOW, "KVTIER_DRAIN_TIMEOUT_S": "0.5"})
     src, dst = make_kv(seed=6), make_kv(seed=7)
     half = BLOCKS // 2
     with d.client(name="writer") as writer, d.client(name="reader") as reader:
@@ -153,7 +153,7 @@ def store_and_hang(socket: str, ready: str) -> None:
 
 
 def test_a_client_killed_mid_store_leaves_no_visible_block(daemon_factory, tmp_path):
-    d = daemon_factory(env=SLOW)
+    d = daemon_factory(process=True, env=SLOW)
     ready = str(tmp_path / "ready")
     p, _ = spawn(store_and_hang, d.socket, ready)
     assert wait_for(lambda: os.path.exists(ready), 30)
@@ -170,7 +170,7 @@ def test_a_client_killed_mid_store_leaves_no_visible_block(daemon_factory, tmp_p
 
 
 def test_a_daemon_killed_mid_copy_fails_the_transfer_and_nothing_half_written_survives(daemon_factory):
-    d = daemon_factory(env=SLOW)
+    d = daemon_factory(process=True, env=SLOW)
     kv = make_kv(seed=10)
     c = d.client(name="engine", transfer_timeout=60.0)
     try:

@@ -186,7 +186,7 @@ def test_finished_copy_jobs_let_go_of_what_they_captured():
 
 @pytest.fixture
 def cpu_daemon(daemon_factory):
-    return daemon_factory(env={"KVTIER_GPU": "off"})
+    return daemon_factory(process=True, env={"KVTIER_GPU": "off"})
 
 
 def test_cpu_daemon_answers_bad_argument_for_cuda_caches_and_keeps_serving(cpu_daemon):
@@ -251,4 +251,4 @@ def test_held_blocks_stay_held_until_the_daemon_acknowledges(cpu_daemon):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_gpu_on_without_cuda_fails_at_startup(daemon_factory):
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        daemon_factory(extra=["--gpu", "on"])
+        daemon_factory(process=True, extra=["--gpu", "on"])
