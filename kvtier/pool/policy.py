@@ -10,10 +10,11 @@ and ``insert_chain(entries)`` (head first; the head ends most recent), ``remove(
 
 from __future__ import annotations
 
-from itertools import compress, repeat
 from typing import Hashable, Iterator, Protocol
 
-COMPACT_MIN = 1 << 16  # stale log slots tolerated before a compaction, at the least
+import numpy as np
+
+CACHE_MIN = 4096  # oldest entries cached per rebuild, at the least
 
 
 class EvictionPolicy(Protocol):
@@ -29,11 +30,12 @@ class EvictionPolicy(Protocol):
 class LRUPolicy:
     """Least recently used first, by epoch stamps.
 
-    Every insert or touch appends the entry to a log and stamps it with its
-    log position; an older log slot whose entry carries a newer stamp is
-    stale and skipped. A chain refresh is then two C-level calls (log
-    extend, stamp update) instead of a Python step per entry, and the log is
-    compacted (also in C) once stale slots outnumber live ones 3 to 1.
+    Every insert or touch gives the entry the next stamp of a clock; a chain
+    refresh is one C-level dict update (no Python step per entry, no list
+    reordering). Eviction reads a cache of the oldest stamps, built with numpy
+    from all stamps and reused until used up: an entry touched since the
+    build carries a newer stamp and is skipped as stale, and every entry not
+    in the cache was newer than all of it already, so the order stays exact.
 
     Callers touch a hash chain so its head ends most recent: under pressure
     suffixes go before the prefix heads that make them reachable (a chain
@@ -41,65 +43,69 @@ class LRUPolicy:
     """
 
     def __init__(self) -> None:
-        self._stamp: dict[Hashable, int] = {}   # entry -> its live log position (absolute)
-        self._log: list = []                     # entries by stamp, from position self._base
-        self._base = 0
-        self._head = 0                           # log slots before this one are all stale
+        self._stamp: dict[Hashable, int] = {}
+        self._clock = 0
+        self._oldest: list[tuple[int, Hashable]] = []  # (stamp, entry), ascending, may be stale
+        self._pos = 0                                   # _oldest before this is all stale
 
     def insert(self, entry: Hashable) -> None:
-        self._stamp[entry] = self._base + len(self._log)
-        self._log.append(entry)
-        self._maybe_compact()
+        self._stamp[entry] = self._clock
+        self._clock += 1
 
     def touch(self, entry: Hashable) -> None:
         if entry in self._stamp:
             self.insert(entry)
 
     def touch_chain(self, entries: list) -> None:
-        """Refresh ``entries`` (all members; a chain head first): the head ends
-        most recent, the tail least recent of them."""
+        """Refresh ``entries`` (members; a chain head first): the head ends most recent."""
         self.insert_chain(entries)
 
     def insert_chain(self, entries: list) -> None:
         """Insert or refresh ``entries``, a chain head first: the head ends most recent."""
-        if not entries:
-            return
-        order = entries[::-1]
-        start = self._base + len(self._log)
-        self._log.extend(order)
-        self._stamp.update(zip(order, range(start, start + len(order))))
-        self._maybe_compact()
+        n = len(entries)
+        self._stamp.update(zip(reversed(entries), range(self._clock, self._clock + n)))
+        self._clock += n
 
     def remove(self, entry: Hashable) -> None:
         self._stamp.pop(entry, None)
 
     def candidates(self) -> Iterator[Hashable]:
         # Lazy: callers must stop iterating before they remove or touch anything.
-        stamp, base, log = self._stamp, self._base, self._log
-        head = self._head
-        while head < len(log) and stamp.get(log[head]) != base + head:
-            head += 1  # each stale slot is skipped here once, not once per eviction
-        self._head = head
-        for i in range(head, len(log)):
-            e = log[i]
-            if stamp.get(e) == base + i:
-                yield e
+        stamp, last = self._stamp, -1
+        oldest, pos = self._oldest, self._pos
+        while pos < len(oldest) and stamp.get(oldest[pos][1]) != oldest[pos][0]:
+            pos += 1  # each stale slot is passed here once, not once per eviction
+        if pos == len(oldest):
+            oldest, pos = self._build(-1), 0
+            self._oldest = oldest
+        self._pos = pos
+        while oldest:
+            for i in range(pos, len(oldest)):
+                s, e = oldest[i]
+                if s > last and stamp.get(e) == s:
+                    last = s
+                    yield e
+            # Past the cache (the caller skipped all of it): the next oldest, for this walk only.
+            oldest, pos = self._build(last), 0
 
     def __len__(self) -> int:
         return len(self._stamp)
 
-    def _maybe_compact(self) -> None:
-        if len(self._log) > 4 * len(self._stamp) + COMPACT_MIN:
-            self.compact()
-
-    def compact(self) -> None:
-        """Drop stale log slots and restamp the live ones, order kept."""
-        base, log = self._base, self._log
-        live = list(compress(log, map(int.__eq__, map(self._stamp.get, log, repeat(-1)),
-                                      range(base, base + len(log)))))
-        self._base = base + len(log)
-        self._log, self._head = live, 0
-        self._stamp = dict(zip(live, range(self._base, self._base + len(live))))
+    def _build(self, after: int) -> list[tuple[int, Hashable]]:
+        """(stamp, entry) of the oldest entries stamped after ``after``, ascending."""
+        stamp = self._stamp
+        if not stamp:
+            return []
+        stamps = np.fromiter(stamp.values(), np.int64, len(stamp))
+        pick = np.flatnonzero(stamps > after)
+        if not len(pick):
+            return []
+        k = max(CACHE_MIN, len(stamp) // 64)  # a rebuild is O(n): reused for >= n/64 evictions
+        if len(pick) > k:
+            pick = pick[np.argpartition(stamps[pick], k)[:k]]
+        pick = pick[np.argsort(stamps[pick], kind="stable")]
+        entries = list(stamp)
+        return [(s, entries[i]) for s, i in zip(stamps[pick].tolist(), pick.tolist())]
 
 
 class FIFOPolicy(LRUPolicy):
