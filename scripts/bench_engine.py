@@ -166,9 +166,46 @@ def lookup_rows(args, socket: str) -> list[dict]:
                          "miss_us": r["miss_p50_us"], "reps": r["reps"]})
             if args.progress:
                 print(f"  lookup {n}: {r['hit_p50_us']:.0f} vs {r['bare_p50_us']:.0f} us", flush=True)
+            shm = shm_point(args, stored[:n], bc.hashes(n))
+            if shm:
+                rows.append(shm)
     finally:
         e.close()
     return rows
+
+
+def shm_point(args, hit: list[bytes], miss: list[bytes]) -> dict | None:
+    """A lookup answered from the shared-memory index (kvtier.pool.shm_index, not
+    yet wired into the daemon/client: writer and reader both here) vs the bare echo."""
+    try:
+        from kvtier.pool.shm_index import ShmIndexReader, ShmIndexWriter, segment_name
+    except ImportError:  # a checkout before the module existed
+        return None
+    import tempfile
+    n = len(hit)
+    w = ShmIndexWriter(segment_name(), 4 * n)
+    w.add(hit)
+    r = ShmIndexReader(w.name)
+    hit_b, miss_b = b"".join(hit), b"".join(miss)
+    assert r.ready_prefix(hit_b) == n and r.ready_prefix(miss_b) == 0
+    frame, reply = bc.lookup_frame_bytes(n)
+    path = os.path.join(tempfile.mkdtemp(prefix="kvtier-echo-"), "echo.sock")
+    try:
+        with bl.EchoServer(path, reply):
+            bare = bl.BareClient(path, frame)
+            for _ in range(50):
+                bare.call()
+            t = bl.round_robin({"hit": (lambda: r.ready_prefix(hit_b), None),
+                                "miss": (lambda: r.ready_prefix(miss_b), None), "bare": (bare.call, None)},
+                               args.min_time, args.min_reps, args.max_reps)
+            bare.close()
+    finally:
+        r.close()
+        w.close()
+        os.rmdir(os.path.dirname(path))
+    p50 = {k: bl.pct(v, 50) * 1e6 for k, v in t.items()}
+    return {"path": f"lookup {n} hashes via shm index, p50", "kvtier_us": p50["hit"], "miss_us": p50["miss"],
+            "base_us": p50["bare"], "ratio": p50["hit"] / p50["bare"], "reps": len(t["hit"])}
 
 
 def throughput_rows(args, socket: str) -> list[dict]:

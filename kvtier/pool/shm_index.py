@@ -114,15 +114,18 @@ class _Table:
 
     def first_miss(self, h0: np.ndarray, h1: np.ndarray) -> int:
         """Index of the first hash that is not READY (len when all are)."""
-        slot, _ = self._probe(self.home(h0), h0, h1, need_full=False)
+        home = self.home(h0)
+        slot, _ = self._probe(home, h0, h1, need_full=False)
         miss = np.flatnonzero(slot < 0)
         if not len(miss):
             return len(h0)
-        # Home-bucket misses are final unless the bucket is full (rare): probe those on.
-        m = miss[:MAX_PROBE * BUCKET] if len(miss) > MAX_PROBE * BUCKET else miss
-        again = self.find(h0[m], h1[m])
-        real = m[again < 0]
-        return int(real[0]) if len(real) else (int(miss[len(m)]) if len(m) < len(miss) else len(h0))
+        # A home-bucket miss is final unless the bucket is full (rare): then probe on.
+        first = int(miss[0])
+        if not (self.state_rows[home[first]] != EMPTY).all():
+            return first
+        again = self.find(h0[miss], h1[miss])
+        real = miss[again < 0]
+        return int(real[0]) if len(real) else len(h0)
 
     def _probe(self, bucket, h0, h1, need_full: bool = True):
         """(slot or -1, bucket full?) per hash, looking in one bucket each. Only
