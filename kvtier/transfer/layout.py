@@ -113,9 +113,12 @@ class KVLayout:
     def copy(self, pool: torch.Tensor, pairs, to_pool: bool) -> None:
         """Copy between kvtier pool bytes (a 1-D uint8 tensor) and engine blocks.
 
-        One numpy gather/scatter per tensor (numpy releases the GIL while it
-        moves the rows); layouts without row plans (GPU tensors, blocks of
-        more than ``runs.MAX_PIECES`` pieces) take the strided path.
+        One gather/scatter per group of tensors sharing a storage (a client's
+        shared-memory segment: one for all layers), else one per tensor: a
+        torch ``index_select`` straight into consecutive pool rows, or numpy
+        fancy indexing (both release the GIL while rows move). Layouts without
+        row plans (GPU tensors, blocks of more than ``runs.MAX_PIECES`` pieces)
+        take the strided path.
         """
         if self.geometry is None or pool.device.type != "cpu":
             return self.copy_strided(pool, pairs, to_pool)
