@@ -3,18 +3,22 @@
 Engines of different models have different block sizes. The pool is cut into
 equal slabs; a slab is assigned to one size class on first use and returned
 to the free list when its last block is freed. Within a slab, slots of the
-class's stride are handed out LIFO (warm cache lines first).
+class's stride are handed out lowest first (a heap), and a class keeps filling
+the slab it used last: blocks allocated together sit at ascending adjacent
+offsets even after frees, so the copy routine moves them as one run (LIFO
+slots came back in descending order after frees and never merged).
 
 Waste reported = unassigned tail of the pool + per assigned slab the space
 that does not fit a whole slot + per used slot the stride rounding.
 
 Primitives: ``add_class(block_bytes) -> cls``, ``alloc(cls) -> offset | None``,
-``free(offset)``, ``slab_of(offset)``, ``used_offsets(slab)``,
+``alloc_many(cls, n) -> [offset]`` (ascending runs, fewer when full), ``free(offset)``, ``slab_of(offset)``, ``used_offsets(slab)``,
 ``check_integrity()``.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 ALIGN = 256  # slot alignment: keeps every dtype view aligned, DMA-friendly
@@ -30,6 +34,7 @@ class SizeClass:
     stride: int
     per_slab: int
     partial: set[int] = field(default_factory=set)  # slabs with free slots
+    current: int = -1        # the slab allocated from last: filled before another is picked
     slabs: int = 0
     used: int = 0
 
@@ -37,7 +42,7 @@ class SizeClass:
 @dataclass
 class Slab:
     cls: int = -1
-    free: list[int] = field(default_factory=list)  # free slot indices
+    free: list[int] = field(default_factory=list)  # free slot indices, a min-heap
     used: int = 0
     taken: bytearray = field(default_factory=bytearray)  # 1 per slot in use: catches double frees
 
@@ -69,26 +74,40 @@ class SlabAllocator:
         return len(self.classes) - 1
 
     def alloc(self, cls: int) -> int | None:
-        c = self.classes[cls]
-        if c.partial:
-            s = next(iter(c.partial))
-        elif self.free_slabs:
-            s = self.free_slabs.pop()
+        got = self.alloc_many(cls, 1)
+        return got[0] if got else None
+
+    def alloc_many(self, cls: int, n: int) -> list[int]:
+        """Up to ``n`` blocks of class ``cls``: lowest free slots of the current
+        slab first, so a batch is a few ascending runs."""
+        c, out = self.classes[cls], []
+        while len(out) < n:
+            s = c.current if c.current in c.partial else (min(c.partial) if c.partial else -1)
+            if s < 0:
+                if not self.free_slabs:
+                    break
+                s = self.free_slabs.pop()
+                slab = self.slabs[s]
+                slab.cls, slab.free, slab.used = cls, list(range(c.per_slab)), 0  # sorted: a heap
+                slab.taken = bytearray(c.per_slab)
+                c.slabs += 1
+                c.partial.add(s)
+            c.current = s
             slab = self.slabs[s]
-            slab.cls, slab.free, slab.used = cls, list(range(c.per_slab - 1, -1, -1)), 0
-            slab.taken = bytearray(c.per_slab)
-            c.slabs += 1
-            c.partial.add(s)
-        else:
-            return None
-        slab = self.slabs[s]
-        slot = slab.free.pop()
-        slab.taken[slot] = 1
-        slab.used += 1
-        c.used += 1
-        if not slab.free:
-            c.partial.discard(s)
-        return s * self.slab_bytes + slot * c.stride
+            take = min(n - len(out), len(slab.free))
+            if take == len(slab.free):
+                slots, slab.free = sorted(slab.free), []
+            else:
+                slots = [heapq.heappop(slab.free) for _ in range(take)]
+            for slot in slots:
+                slab.taken[slot] = 1
+            slab.used += take
+            c.used += take
+            if not slab.free:
+                c.partial.discard(s)
+            base, stride = s * self.slab_bytes, c.stride
+            out += [base + slot * stride for slot in slots]
+        return out
 
     def free(self, offset: int) -> None:
         s, rem = divmod(offset, self.slab_bytes)
@@ -101,7 +120,7 @@ class SlabAllocator:
             raise IntegrityError(f"free of invalid offset {offset}: not an allocated block "
                                  f"(double free?)")
         slab.taken[slot] = 0
-        slab.free.append(slot)
+        heapq.heappush(slab.free, slot)
         slab.used -= 1
         c.used -= 1
         c.partial.add(s)

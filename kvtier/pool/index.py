@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from .allocator import IntegrityError, SlabAllocator
 from .policy import EvictionPolicy, LRUPolicy
@@ -49,6 +50,7 @@ class Namespace:
     block_bytes: int
     cls: int
     entries: dict = field(default_factory=dict)
+    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries only (lookups)
     stats: Counter = field(default_factory=Counter)
     ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
 
@@ -103,16 +105,13 @@ class BlockIndex:
 
     # ---- lookup / store / load -------------------------------------------------
     def lookup(self, ns: Namespace, keys: list[bytes]) -> int:
-        found = []
-        get = ns.entries.get
-        for key in keys:
-            e = get(key)
-            if e is None or e.state != READY:
-                break
-            found.append(e)
-        self._touch_chain(found)
+        found = ready_prefix(ns.ready_map, keys)
+        self.policy.touch_chain(found)
         hits = len(found)
-        ns.stats.update(lookups=1, hits=hits, misses=len(keys) - hits)
+        stats = ns.stats
+        stats["lookups"] += 1
+        stats["hits"] += hits
+        stats["misses"] += len(keys) - hits
         return hits
 
     def prepare_store(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
@@ -123,21 +122,21 @@ class BlockIndex:
         for e in held:
             e.pins += 1
         try:
+            entries = ns.entries
+            todo = {}  # new key -> its first index (a key twice in one store is written once)
             for i, key in enumerate(keys):
-                if key in ns.entries:
+                if key in entries or key in todo:
                     plan.skipped.append(i)
-                    continue
-                if plan.no_space:  # once full, the rest of the chain cannot fit either
-                    plan.no_space.append(i)
-                    continue
-                offset = self.alloc(ns.cls)
-                if offset is None:
-                    plan.no_space.append(i)
-                    continue
+                else:
+                    todo[key] = i
+            offsets = self.alloc_many(ns.cls, len(todo))
+            for (key, i), offset in zip(todo.items(), offsets):
                 e = Entry(ns, key, offset)
-                ns.entries[key] = e
+                entries[key] = e
                 self.by_offset[offset] = e
                 plan.entries[i] = e
+            # Once full, the rest of the chain cannot fit either.
+            plan.no_space = list(todo.values())[len(offsets):]
         finally:
             for e in held:
                 e.pins -= 1
@@ -160,8 +159,8 @@ class BlockIndex:
                 e.state = READY
                 committed.append(e)
         plan.ns.ready += len(committed)
-        for e in reversed(committed):  # head of the chain ends most recent
-            self.policy.insert(e)
+        plan.ns.ready_map.update((e.key, e) for e in committed)
+        self.policy.insert_chain(committed)  # head of the chain ends most recent
         if self.record_events:
             self._events.extend(("stored", plan.ns.fingerprint, e.key) for e in committed)
         plan.ns.stats.update(stored=len(committed), store_failed=len(plan.entries) - len(committed)
@@ -169,15 +168,15 @@ class BlockIndex:
         return len(committed)
 
     def prepare_load(self, ns: Namespace, keys: list[bytes]) -> LoadPlan:
-        plan = LoadPlan(ns, [None] * len(keys), [])
-        for i, key in enumerate(keys):
-            e = ns.entries.get(key)
-            if e is None or e.state != READY:
+        plan = LoadPlan(ns, list(map(ns.ready_map.get, keys)), [])
+        found = []
+        for i, e in enumerate(plan.entries):
+            if e is None:
                 plan.missing.append(i)
-                continue
-            e.pins += 1
-            plan.entries[i] = e
-        self._touch_chain([e for e in plan.entries if e is not None])
+            else:
+                e.pins += 1
+                found.append(e)
+        self.policy.touch_chain(found)
         return plan
 
     def complete_load(self, plan: LoadPlan, failed=()) -> None:
@@ -219,35 +218,48 @@ class BlockIndex:
 
     # ---- space -----------------------------------------------------------------
     def alloc(self, cls: int) -> int | None:
-        offset = self.alloc_.alloc(cls)
-        if offset is None and self._evict_for(cls):
-            offset = self.alloc_.alloc(cls)
-        return offset
+        got = self.alloc_many(cls, 1)
+        return got[0] if got else None
+
+    def alloc_many(self, cls: int, n: int) -> list[int]:
+        """Up to ``n`` offsets of class ``cls`` (ascending within a slab), evicting
+        in batches to make room; fewer when nothing more is evictable."""
+        out = self.alloc_.alloc_many(cls, n)
+        while len(out) < n and self._evict_for(cls, n - len(out)):
+            out += self.alloc_.alloc_many(cls, n - len(out))
+        return out
 
     def free(self, offset: int) -> None:
         self.alloc_.free(offset)
 
-    def _evict_for(self, cls: int) -> bool:
-        """Evict the oldest evictable entry of ``cls``, or a whole slab of another
-        class when the oldest evictable entry lives in one (frees a slab for us)."""
+    def _evict_for(self, cls: int, need: int = 1) -> bool:
+        """Evict, oldest first, entries of ``cls`` and whole slabs of other classes
+        (when the oldest evictable entry lives in one: frees a slab for us) until
+        ``need`` blocks of ``cls`` fit, in one walk over the policy."""
         # Slabs found holding swap, in-flight or pinned blocks: nothing changes
         # during the walk, so each is scanned once, not once per entry in it
         # (a swap slot in every slab made one allocation O(entries x slots per slab)).
         blocked: set[int] = set()
+        victims: list[Entry] = []
+        per_slab = self.alloc_.classes[cls].per_slab
         for e in self.policy.candidates():
+            if need <= 0:
+                break
             if e.pins:
                 continue
             if e.ns.cls == cls:
-                victims = [e]
-                break
+                victims.append(e)
+                need -= 1
+                continue
             slab = self.alloc_.slab_of(e.offset)
             if slab in blocked:
                 continue
-            victims = self._slab_victims(slab)
-            if victims:
-                break
-            blocked.add(slab)
-        else:
+            blocked.add(slab)  # taken or refused: either way not scanned again
+            whole = self._slab_victims(slab)
+            if whole:
+                victims += whole
+                need -= per_slab
+        if not victims:
             return False
         for v in victims:
             self._drop(v, removed=True)
@@ -274,14 +286,10 @@ class BlockIndex:
         self.policy.remove(e)
         if e.state == READY:
             e.ns.ready -= 1
+            del e.ns.ready_map[e.key]
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)
-
-    def _touch_chain(self, entries: list[Entry]) -> None:
-        touch = self.policy.touch
-        for e in reversed(entries):  # tail first, so the head is the most recent
-            touch(e)
 
     # ---- integrity ---------------------------------------------------------------
     def counters(self) -> dict:
@@ -313,5 +321,30 @@ class BlockIndex:
                 problems.append(f"namespace {n.fingerprint}: entry links broken")
             if n.ready != sum(e.state == READY for e in n.entries.values()):
                 problems.append(f"namespace {n.fingerprint}: ready count {n.ready} is wrong")
+            if n.ready_map != {k: e for k, e in n.entries.items() if e.state == READY}:
+                problems.append(f"namespace {n.fingerprint}: ready map disagrees with the entries")
         if problems:
             raise IntegrityError(f"{problems}; counters={c}")
+
+
+def ready_prefix(ready: dict, keys: list) -> list:
+    """Entries of the longest prefix of ``keys`` found in ``ready``.
+
+    Bisection finds L with keys[L - 1] ready and keys[L] not (log2(n) probes;
+    a hash chain whose suffixes are evicted first is ready up to one point),
+    then one C-level pass fetches keys[:L] and so proves them all ready: the
+    answer is exact for any keys. Only if that proof fails (a hole inside the
+    prefix: a discarded block, or keys that are not one chain) does it fall
+    back to a walk, in C too.
+    """
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[mid] in ready:
+            lo = mid + 1
+        else:
+            hi = mid
+    try:
+        return list(map(ready.__getitem__, keys[:lo]))
+    except KeyError:
+        return list(map(ready.__getitem__, takewhile(ready.__contains__, keys)))

@@ -12,8 +12,13 @@ registrations.
 Everything here is plain numpy: no device, no torch.cuda.
 
 Primitives: ``block_pieces(shape, stride, elem_bytes)``,
-``Geometry.of(layout)``, ``Geometry.unit_runs(pairs)``, ``coalesce(runs, boundary)``,
-``word_bytes(*arrays)``.
+``Geometry.of(layout)``, ``Geometry.unit_runs(pairs)``, ``Geometry.row_plans(pairs)``,
+``coalesce(runs, boundary)``, ``word_bytes(*arrays)``, ``pairs_array(pairs)``.
+
+Row plans serve the CPU copy routine: every piece of every block becomes whole
+rows of ``row`` bytes (the largest power of two dividing every offset and the
+piece size), so one numpy fancy-index statement per tensor moves any number of
+scattered pieces; tensors with the same block geometry share one plan.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_PIECES = 256  # more pieces per block than this: the layout is too scattered for runs
+MAX_ROW = 1 << 16  # row bytes cap: bigger rows save no index work worth having
 
 
 def block_pieces(shape, stride, elem_bytes: int, max_pieces: int = MAX_PIECES):
@@ -67,6 +73,7 @@ class TensorRuns:
 
 @dataclass(frozen=True)
 class _TensorGeom:
+    storage: int            # tensors with equal values share one storage (same bytes)
     base: int               # byte offset of engine block 0 in the storage
     block_stride: int       # bytes between engine blocks
     pieces: np.ndarray      # byte offsets of the pieces inside a block
@@ -80,18 +87,23 @@ class Geometry:
     def __init__(self, tensors: list[_TensorGeom], engine_block_bytes: int):
         self.tensors = tensors
         self.engine_block_bytes = engine_block_bytes
+        self._groups = self.groups()
 
     @classmethod
     def of(cls, layout, max_pieces: int = MAX_PIECES) -> "Geometry | None":
         """None when some tensor's block splits into too many pieces."""
-        geoms = []
+        geoms, storages = [], {}
         for m, toff in zip(layout.moved, layout.tensor_offsets):
             es = m.element_size()
             split = block_pieces(m.shape[1:], m.stride()[1:], es, max_pieces)
             if split is None:
                 return None
             pieces, piece_bytes = split
-            geoms.append(_TensorGeom(m.storage_offset() * es, m.stride(0) * es, pieces, piece_bytes,
+            # Views of one mapping made by separate frombuffer calls have separate
+            # storage objects over the same bytes: the address and size say they alias.
+            st = m.untyped_storage()
+            sid = storages.setdefault((m.device.type, st.data_ptr(), st.nbytes()), len(storages))
+            geoms.append(_TensorGeom(sid, m.storage_offset() * es, m.stride(0) * es, pieces, piece_bytes,
                                      int(toff)))
         return cls(geoms, layout.engine_block_bytes)
 
@@ -109,6 +121,92 @@ class Geometry:
             n = eng.size
             out.append(TensorRuns(t, eng.reshape(-1), pool.reshape(-1), np.full(n, g.piece_bytes, np.int64)))
         return out
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """Tensors with the same block geometry (per-layer caches: all of them)."""
+        by_key: dict[tuple, list[int]] = {}
+        for t, g in enumerate(self.tensors):
+            if g.piece_bytes:
+                by_key.setdefault((g.block_stride, g.pieces.tobytes(), g.piece_bytes), []).append(t)
+        return [tuple(ts) for ts in by_key.values()]
+
+    def row_plans(self, pairs, max_row: int = MAX_ROW) -> list["RowPlan"]:
+        """Row plans for ``pairs`` (see RowPlan): per group of same-geometry
+        tensors, one plan for those sharing a storage with others and one for
+        the rest (the same rows, each from its own origin)."""
+        arr = pairs_array(pairs)
+        if not len(arr):
+            return []
+        out = []
+        for ts in self._groups:
+            out.extend(self._row_plans(ts, arr[:, 0], arr[:, 1], max_row))
+        return out
+
+    def _row_plans(self, tensors, pool_off: np.ndarray, eids: np.ndarray, max_row: int) -> list["RowPlan"]:
+        g = self.tensors[tensors[0]]
+        k, piece = len(g.pieces), g.piece_bytes
+        bases = np.array([self.tensors[t].base for t in tensors], dtype=np.int64)
+        toffs = np.array([self.tensors[t].pool_offset for t in tensors], dtype=np.int64)
+        block = eids * g.block_stride
+        within = np.arange(0, k * piece, piece, dtype=np.int64)
+        # Every start is a sum of these terms: a power of two dividing each divides them all.
+        acc = piece | max_row
+        for part in (bases, toffs, block, pool_off, g.pieces):
+            acc |= int(np.bitwise_or.reduce(part))
+        row = acc & -acc
+        lane = np.arange(piece // row, dtype=np.int64)
+        # Rows from each tensor's own origin, in pool order: (block, piece, lane).
+        eng = (block // row)[:, None, None] + (g.pieces // row)[None, :, None] + lane
+        pool = (pool_off // row)[:, None, None] + (within // row)[None, :, None] + lane
+        by_storage: dict[int, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_storage.setdefault(self.tensors[t].storage, []).append(i)
+        plans, alone = [], []
+        for members in by_storage.values():
+            if len(members) == 1:
+                alone.append(members[0])
+                continue
+            # One gather for all of them, block-major (block, tensor, piece, lane): pool order.
+            m = np.array(members)
+            e = (eng[:, None] + (bases[m] // row)[None, :, None, None]).reshape(-1)
+            p = (pool[:, None] + (toffs[m] // row)[None, :, None, None]).reshape(-1)
+            plans.append(RowPlan(((tensors[members[0]], 0, 0),), row, e, p, _stretches(p)))
+        if alone:
+            p = pool.reshape(-1)
+            plans.append(RowPlan(tuple((tensors[i], int(bases[i] // row), int(toffs[i] // row)) for i in alone),
+                                 row, eng.reshape(-1), p, _stretches(p)))
+        return plans
+
+
+def _stretches(pool: np.ndarray) -> np.ndarray:
+    """Bounds of the spans whose pool rows are consecutive: [0, ..., len]."""
+    breaks = np.flatnonzero(np.diff(pool) != 1) + 1
+    return np.concatenate(([0], breaks, [len(pool)]))
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Gathers/scatters in rows of ``row`` bytes: for each member
+    ``(tensor, engine_origin, pool_origin)``, engine row ``engine_origin +
+    engine[i]`` of the tensor's storage pairs with pool row ``pool_origin +
+    pool[i]``. ``stretches`` bounds the spans ``[stretches[j], stretches[j + 1])``
+    whose pool rows are consecutive (gathered or scattered without a temporary)."""
+    members: tuple[tuple[int, int, int], ...]
+    row: int
+    engine: np.ndarray      # int64 row indices
+    pool: np.ndarray        # int64 row indices
+    stretches: np.ndarray   # int64, first 0, last len(pool)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.engine) * self.row
+
+
+def pairs_array(pairs) -> np.ndarray:
+    """``(n, 2)`` int64 array of (pool offset, engine block id) pairs."""
+    if isinstance(pairs, np.ndarray):
+        return pairs.reshape(-1, 2).astype(np.int64, copy=False)
+    return np.array(pairs, dtype=np.int64).reshape(-1, 2)
 
 
 def coalesce(runs: TensorRuns, boundary: int = 0) -> TensorRuns:

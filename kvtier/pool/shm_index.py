@@ -1,0 +1,300 @@
+"""One namespace's READY block hashes, readable by clients from shared memory.
+
+The daemon, sole writer, mirrors a namespace's ready set into an
+open-addressing hash table in a named segment; a client of that namespace maps
+it and answers a lookup without a round trip: all hashes are probed at once in
+numpy and the answer is the index of the first miss.
+
+Consistency (seqlock): the writer makes the sequence number odd, mutates, then
+makes it even; a reader reads it, probes, reads it again and retries when it
+was odd or moved. Readers never block the writer, and a reader that keeps
+losing the race (or finds the table overflowed) gets None: ask the daemon.
+This relies on x86 keeping stores in order and loads in order (numpy gives no
+fences); on other CPUs readers must use the socket.
+
+Tenancy: one segment per namespace, named with a random token that the daemon
+hands only to clients registered in that namespace, mode 0600 (or the pool's
+group mode), so a client can only read the namespaces it may see.
+
+Bounded work for hostile keys: an insert that would probe more than
+``MAX_PROBE`` buckets marks the table overflowed (readers fall back to the
+daemon) instead of growing probe chains.
+
+Layout: a 64-byte header of uint64 words (magic, capacity, seq, count,
+tombstones, flags), then ``capacity`` uint64 (each hash's first 8 bytes), as
+many for the last 8 bytes, then ``capacity`` state bytes (0 empty, 1 ready, 2
+tombstone). Slots come in buckets of ``BUCKET``.
+
+Primitives: ``ShmIndexWriter(name, capacity).add(hashes)``, ``.remove(hashes)``,
+``.clear()``, ``.close()``; ``ShmIndexReader(name).ready_prefix(packed) -> int | None``,
+``.close()``; ``segment_name(token)``. ``hashes`` are 16-byte digests (a list or
+packed bytes).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+
+import numpy as np
+import posix_ipc
+
+from .segment import SegmentError, ShmSegment
+
+MAGIC = 0x6B76_7469_6572_6978  # "kvtierix"
+HEADER_WORDS = 8
+MAGIC_W, CAP_W, SEQ_W, COUNT_W, TOMB_W, FLAGS_W = range(6)
+OVERFLOW = 1
+EMPTY, READY, TOMB = 0, 1, 2
+BUCKET = 8              # slots compared at once per hash
+LANES = np.arange(BUCKET, dtype=np.int64)[None, :]
+MAX_PROBE = 8           # buckets probed at most: longer means the table is hostile or full
+MAX_LOAD = 0.5          # ready keys per slot before the table counts as overflowed
+READ_RETRIES = 64       # seqlock retries before a reader gives up (asks the daemon)
+PREFIX = "kvtier-ix."
+
+
+def segment_name(token: str | None = None) -> str:
+    """An unguessable segment name (the token is the read capability)."""
+    return f"/{PREFIX}{token or secrets.token_hex(16)}"
+
+
+def _capacity(n: int) -> int:
+    cap = 8 * BUCKET
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+def _hashes(hashes) -> np.ndarray:
+    """(n, 2) uint64 view of 16-byte digests (a list or packed bytes)."""
+    raw = hashes if isinstance(hashes, (bytes, bytearray, memoryview)) else b"".join(hashes)
+    if len(raw) % 16:
+        raise ValueError(f"hashes are {len(raw)} bytes, not a multiple of 16")
+    return np.frombuffer(raw, dtype=np.uint64).reshape(-1, 2)
+
+
+class _Table:
+    """Numpy views over a mapped segment (``buf``: writable for the writer,
+    a read-only mapping for readers). Slots come in buckets of ``BUCKET``: a
+    hash lives in its home bucket or, when that is full, a later one, so a
+    lookup is nearly always one gather of each hash's home bucket."""
+
+    def __init__(self, buf, size: int, name: str, capacity: int | None = None):
+        self.header = np.frombuffer(buf, dtype=np.uint64, count=HEADER_WORDS)
+        cap = capacity if capacity is not None else int(self.header[CAP_W])
+        if cap < BUCKET or cap & (cap - 1) or size < _size(cap):
+            raise SegmentError(f"index segment {name}: bad capacity {cap}")
+        self.capacity, self.bmask = cap, np.uint64(cap // BUCKET - 1)
+        at = HEADER_WORDS * 8
+        self.k0 = np.frombuffer(buf, dtype=np.uint64, count=cap, offset=at)
+        self.k1 = np.frombuffer(buf, dtype=np.uint64, count=cap, offset=at + 8 * cap)
+        self.state = np.frombuffer(buf, dtype=np.uint8, count=cap, offset=at + 16 * cap)
+        self.k0_rows = self.k0.reshape(-1, BUCKET)        # one row per bucket: a row gather per hash
+        self.state_rows = self.state.reshape(-1, BUCKET)
+
+    def home(self, h0: np.ndarray) -> np.ndarray:
+        return (h0 & self.bmask).astype(np.int64)
+
+    def find(self, h0: np.ndarray, h1: np.ndarray) -> np.ndarray:
+        """Slot of each hash, or -1."""
+        out = np.full(len(h0), -1, dtype=np.int64)
+        nb = self.capacity // BUCKET
+        pending, bucket = np.arange(len(h0)), self.home(h0)
+        for _ in range(MAX_PROBE):
+            slot, full = self._probe(bucket, h0[pending], h1[pending])
+            got = slot >= 0
+            out[pending[got]] = slot[got]
+            on = ~got & full  # a full bucket: the hash may live further on
+            if not on.any():
+                break
+            pending, bucket = pending[on], (bucket[on] + 1) % nb
+        return out
+
+    def first_miss(self, h0: np.ndarray, h1: np.ndarray) -> int:
+        """Index of the first hash that is not READY (len when all are)."""
+        home = self.home(h0)
+        slot, _ = self._probe(home, h0, h1, need_full=False)
+        miss = np.flatnonzero(slot < 0)
+        if not len(miss):
+            return len(h0)
+        # A home-bucket miss is final unless the bucket is full (rare): then probe on.
+        first = int(miss[0])
+        if not (self.state_rows[home[first]] != EMPTY).all():
+            return first
+        again = self.find(h0[miss], h1[miss])
+        real = miss[again < 0]
+        return int(real[0]) if len(real) else len(h0)
+
+    def _probe(self, bucket, h0, h1, need_full: bool = True):
+        """(slot or -1, bucket full?) per hash, looking in one bucket each. Only
+        the first 8 bytes are compared across the bucket; the matching slot's
+        state and last 8 bytes are checked after (removed slots have k0 zeroed)."""
+        eq = self.k0_rows[bucket] == h0[:, None]
+        lane = eq.argmax(1)
+        slot = bucket * BUCKET + lane
+        ok = (self.k0[slot] == h0) & (self.state[slot] == READY) & (self.k1[slot] == h1)
+        full = (self.state_rows[bucket] != EMPTY).all(1) if need_full else None
+        return np.where(ok, slot, -1), full
+
+    def close(self) -> None:
+        self.header = self.k0 = self.k1 = self.state = self.k0_rows = self.state_rows = None
+
+
+def _size(capacity: int) -> int:
+    return HEADER_WORDS * 8 + 17 * capacity
+
+
+class ShmIndexWriter:
+    """Daemon side: owns the segment, mirrors adds and removals under the seqlock."""
+
+    def __init__(self, name: str, max_keys: int, mode: int = 0o600, group: int | None = None):
+        cap = _capacity(int(max_keys / MAX_LOAD) + 1)
+        self.segment = ShmSegment(name, _size(cap), create=True, mode=mode, group=group)
+        self.t = _Table(self.segment.buffer, self.segment.size, name, cap)
+        self.t.k0[:] = 0
+        self.t.k1[:] = 0
+        self.t.state[:] = EMPTY
+        self.t.header[:] = 0
+        self.t.header[CAP_W] = cap
+        self.t.header[MAGIC_W] = MAGIC  # last: a reader seeing the magic sees a whole table
+        self.name = name
+
+    @property
+    def overflowed(self) -> bool:
+        return bool(int(self.t.header[FLAGS_W]) & OVERFLOW)
+
+    def add(self, hashes) -> None:
+        """Mark digests ready (already present ones are left as they are)."""
+        h = _hashes(hashes)
+        if not len(h) or self.overflowed:
+            return
+        t = self.t
+        with _Write(t.header):
+            h = h[t.find(h[:, 0], h[:, 1]) < 0]
+            if len(h) > 1:
+                h = h[np.sort(np.unique(h, axis=0, return_index=True)[1])]
+            if int(t.header[COUNT_W]) + len(h) > MAX_LOAD * t.capacity:
+                t.header[FLAGS_W] |= np.uint64(OVERFLOW)
+                return
+            if int(t.header[COUNT_W] + t.header[TOMB_W]) + len(h) > 0.75 * t.capacity:
+                self._rehash()
+            self._insert(h)
+
+    def remove(self, hashes) -> None:
+        h = _hashes(hashes)
+        if not len(h) or self.overflowed:
+            return
+        t = self.t
+        with _Write(t.header):
+            slots = np.unique(t.find(h[:, 0], h[:, 1]))
+            slots = slots[slots >= 0]
+            t.state[slots] = TOMB
+            t.k0[slots] = 0  # a removed slot never matches a hash's first 8 bytes
+            t.header[COUNT_W] -= np.uint64(len(slots))
+            t.header[TOMB_W] += np.uint64(len(slots))
+
+    def clear(self) -> None:
+        """Empty the table (and lift an overflow: the daemon re-adds what is ready)."""
+        t = self.t
+        with _Write(t.header):
+            t.state[:] = EMPTY
+            t.k0[:] = 0
+            t.header[COUNT_W] = t.header[TOMB_W] = t.header[FLAGS_W] = 0
+
+    def _insert(self, h: np.ndarray) -> None:
+        """Each hash into the first free slot of its home bucket or a later one.
+        Per round one hash per bucket takes a slot; hashes of full buckets move on."""
+        t = self.t
+        nb = t.capacity // BUCKET
+        pending, bucket, hops = np.arange(len(h)), t.home(h[:, 0]), np.zeros(len(h), dtype=np.int64)
+        while len(pending):
+            st = t.state[bucket[:, None] * BUCKET + LANES]
+            free = st != READY
+            full = ~free.any(1)
+            _, first = np.unique(np.where(full, -1, bucket), return_index=True)
+            won = first[~full[first]]
+            slot = bucket[won] * BUCKET + free[won].argmax(1)
+            t.header[TOMB_W] -= np.uint64(int((t.state[slot] == TOMB).sum()))
+            t.k0[slot], t.k1[slot] = h[pending[won], 0], h[pending[won], 1]
+            t.state[slot] = READY
+            t.header[COUNT_W] += np.uint64(len(won))
+            hops[full] += 1
+            if (hops > MAX_PROBE).any():
+                t.header[FLAGS_W] |= np.uint64(OVERFLOW)  # a chain too long: stop serving
+                return
+            bucket = np.where(full, (bucket + 1) % nb, bucket)
+            keep = np.ones(len(pending), dtype=bool)
+            keep[won] = False
+            pending, bucket, hops = pending[keep], bucket[keep], hops[keep]
+
+    def _rehash(self) -> None:
+        t = self.t
+        ready = t.state == READY
+        h = np.stack([t.k0[ready], t.k1[ready]], axis=1)
+        t.state[:] = EMPTY
+        t.k0[:] = 0
+        t.header[COUNT_W] = t.header[TOMB_W] = 0
+        if len(h):
+            self._insert(h)
+
+    def close(self) -> None:
+        """Unmap and unlink; readers keep their mappings until they close."""
+        self.t.close()
+        self.segment.release(unlink=True)
+
+
+class _Write:
+    """The seqlock's write side: odd while the table changes."""
+
+    def __init__(self, header: np.ndarray):
+        self.header = header
+
+    def __enter__(self):
+        self.header[SEQ_W] += np.uint64(1)
+
+    def __exit__(self, *exc):
+        self.header[SEQ_W] += np.uint64(1)
+
+
+class ShmIndexReader:
+    """Client side: answers ready prefixes from the mapped table, or None."""
+
+    def __init__(self, name: str):
+        # Mapped read-only: a client cannot write the table other clients read.
+        try:
+            shm = posix_ipc.SharedMemory(name, read_only=True)
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError, ValueError) as exc:
+            raise SegmentError(f"index segment {name}: {exc}") from None
+        try:
+            size = os.fstat(shm.fd).st_size
+            if size < _size(64):
+                raise SegmentError(f"index segment {name} is too small ({size} bytes)")
+            self._mmap = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            shm.close_fd()
+        self.t = _Table(self._mmap, size, name)
+        if int(self.t.header[MAGIC_W]) != MAGIC:
+            self.close()
+            raise SegmentError(f"{name} is not a kvtier index segment")
+
+    def ready_prefix(self, hashes) -> int | None:
+        """How many leading hashes are READY; None when the table cannot say
+        (overflowed, or the writer kept it busy): ask the daemon instead."""
+        h = _hashes(hashes)
+        t, header = self.t, self.t.header
+        for _ in range(READ_RETRIES):
+            seq = int(header[SEQ_W])
+            if seq & 1:
+                continue
+            if int(header[FLAGS_W]) & OVERFLOW:
+                return None
+            n = t.first_miss(h[:, 0], h[:, 1])
+            if int(header[SEQ_W]) == seq:
+                return n
+        return None
+
+    def close(self) -> None:
+        self.t.close()
+        self._mmap.close()

@@ -1,0 +1,134 @@
+"""The shared-memory ready index: a client answers lookups from the daemon's
+table without a round trip, exactly, consistently under concurrent writes,
+and only for the namespace whose segment it was given."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+
+import pytest
+
+from kvtier.pool.segment import SegmentError
+from kvtier.pool.shm_index import MAX_LOAD, ShmIndexReader, ShmIndexWriter, segment_name
+
+from .kit import chain
+
+
+@pytest.fixture
+def table():
+    w = ShmIndexWriter(segment_name(), 2000)
+    r = ShmIndexReader(w.name)
+    yield w, r
+    r.close()
+    w.close()
+
+
+def linear_prefix(ready: set, keys: list) -> int:
+    n = 0
+    while n < len(keys) and keys[n] in ready:
+        n += 1
+    return n
+
+
+def test_reader_answers_the_longest_ready_prefix_through_any_history(table):
+    """Random adds and removals (tombstones, re-adds, rehashes): every answer
+    equals the linear walk over the writer's ready set."""
+    w, r = table
+    rng = random.Random(3)
+    pool = [chain(f"t{i}", 40) for i in range(30)]
+    ready: set = set()
+    for _ in range(400):
+        c = rng.choice(pool)
+        if rng.random() < 0.6:
+            part = c[: rng.randint(1, 40)]
+            if len(ready | set(part)) <= 1500:
+                w.add(part)
+                ready |= set(part)
+        else:
+            part = c[rng.randint(0, 39):]
+            w.remove(part)
+            ready -= set(part)
+        probe = rng.choice(pool)[: rng.randint(0, 40)]
+        assert r.ready_prefix(probe) == linear_prefix(ready, probe)
+        assert r.ready_prefix(b"".join(probe)) == linear_prefix(ready, probe)  # packed form too
+    assert not w.overflowed
+
+
+def test_an_overflowed_table_sends_readers_to_the_daemon(table):
+    w, r = table
+    w.add(chain("a", 10))
+    assert r.ready_prefix(chain("a", 10)) == 10
+    w.add(chain("big", int(MAX_LOAD * w.t.capacity)))  # more than the table may hold
+    assert w.overflowed and r.ready_prefix(chain("a", 10)) is None
+    w.clear()  # the daemon rebuilds (bigger, in practice) and serves again
+    assert r.ready_prefix(chain("a", 10)) == 0
+
+
+def test_the_reader_cannot_write_the_table(table):
+    w, r = table
+    w.add(chain("a", 4))
+    with pytest.raises(ValueError):
+        r.t.state[:] = 0
+    assert r.ready_prefix(chain("a", 4)) == 4
+
+
+def test_a_segment_opens_only_by_its_exact_unguessable_name(table):
+    w, _ = table
+    assert len(w.name) > 30  # a 128-bit token
+    with pytest.raises(SegmentError):
+        ShmIndexReader(w.name[:-1] + ("0" if w.name[-1] != "0" else "1"))
+
+
+def _flip(name: str, rounds: int, out) -> None:
+    """Writer: the chain is alternately 80 and 20 blocks ready; the removals
+    leave tombstones, so every few rounds an add rebuilds the whole table
+    (each change is one write section: readers may only see 20 or 80)."""
+    w_keys = chain("flip", 80)
+    # Reopen the writer's table in this process: the test process owns the segment.
+    from kvtier.pool.shm_index import _Table, _Write
+    from kvtier.pool.segment import ShmSegment
+    seg = ShmSegment(name)
+    t = _Table(seg.buffer, seg.size, name)
+    writer = ShmIndexWriter.__new__(ShmIndexWriter)
+    writer.t, writer.segment, writer.name = t, seg, name
+    for i in range(rounds):
+        writer.remove(w_keys[20:])
+        writer.add(w_keys[20:])
+    out.put(writer.t.header.tolist())
+    t.close()
+    del writer
+    seg.release(unlink=False)
+
+
+def test_readers_never_see_a_torn_table_while_the_writer_changes_it():
+    """Under a writer process flipping the chain between two states (with
+    rebuilds that empty and refill the table inside one change), every answer
+    a reader gets is one of the two states: the seqlock turns torn reads into
+    retries."""
+    w = ShmIndexWriter(segment_name(), 100)  # small: tombstones force rebuilds often
+    w.add(chain("flip", 80))
+    r = ShmIndexReader(w.name)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_flip, args=(w.name, 3000, out))
+    p.start()
+    try:
+        seen, gave_up = set(), 0
+        keys = chain("flip", 80)
+        while out.empty():
+            n = r.ready_prefix(keys)
+            if n is None:
+                gave_up += 1
+            else:
+                seen.add(n)
+        header = out.get(timeout=60)
+        assert seen <= {20, 80}, f"torn reads: {sorted(seen)}"
+        assert seen, "the reader never got an answer"
+        assert header[2] >= 2 * 2 * 3000  # seq: every change was one odd/even write section
+    finally:
+        p.join(60)
+        r.close()
+        w.close()
+    assert p.exitcode == 0
