@@ -8,7 +8,7 @@ from typing import Any
 
 import psutil
 
-from ..pool.index import Namespace
+from ..pool.index import Bucket
 from ..protocol.errors import ErrorCode
 from ..transfer.layout import KVLayout
 
@@ -58,7 +58,7 @@ class ClientState:
 class Registration:
     id: int
     client: ClientState
-    ns: Namespace
+    ns: Bucket
     layout: KVLayout | None
     segments: list
     copier: Any = None                 # CudaCopyEngine for CUDA registrations

@@ -1,7 +1,7 @@
 """Block pool: shared-memory segment, slab allocator, eviction policy, index."""
 
 from .allocator import IntegrityError, SlabAllocator
-from .index import READY, WRITING, BlockIndex, LoadPlan, Namespace, StorePlan
+from .index import READY, WRITING, BlockIndex, LoadPlan, Bucket, StorePlan
 from .policy import POLICIES, FIFOPolicy, LRUPolicy
 from .segment import SegmentError, ShmSegment, cleanup_stale, unlink_segment
 from .sizes import format_size, parse_size
@@ -9,6 +9,6 @@ from .swap import SwapRecord, SwapTable
 
 __all__ = [
     "POLICIES", "READY", "WRITING", "BlockIndex", "FIFOPolicy", "IntegrityError", "LRUPolicy",
-    "LoadPlan", "Namespace", "SegmentError", "ShmSegment", "SlabAllocator", "StorePlan", "SwapRecord", "SwapTable",
+    "LoadPlan", "Bucket", "SegmentError", "ShmSegment", "SlabAllocator", "StorePlan", "SwapRecord", "SwapTable",
     "cleanup_stale", "format_size", "parse_size", "unlink_segment",
 ]

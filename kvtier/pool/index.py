@@ -9,7 +9,7 @@ complete_store -> READY (in the eviction policy) or freed on failure. A READY
 entry with pins > 0 is being loaded and is never evicted.
 
 Primitives (scheduler-style, no I/O):
-  namespace(fingerprint, block_bytes) -> Namespace
+  namespace(fingerprint, block_bytes) -> Bucket
   lookup(ns, keys) -> int                  longest READY prefix, refreshes LRU
   prepare_store(ns, keys) -> StorePlan     dedups; pool full is a value
   complete_store(plan, failed=())
@@ -39,12 +39,15 @@ STAT_KEYS = ("lookups", "hits", "misses", "stored", "store_skipped", "store_fail
 class Entry:
     __slots__ = ("ns", "key", "offset", "state", "pins")
 
-    def __init__(self, ns: "Namespace", key: bytes, offset: int):
+    def __init__(self, ns: "Bucket", key: bytes, offset: int):
         self.ns, self.key, self.offset, self.state, self.pins = ns, key, offset, WRITING, 0
 
 
 @dataclass(eq=False)
-class Namespace:
+class Bucket:
+    """The index's entries for one namespace fingerprint (one block size).
+    Not to be confused with ``kvtier.client.Namespace``, which describes an
+    engine's identity and produces the fingerprint."""
     id: int
     fingerprint: str
     block_bytes: int
@@ -60,7 +63,7 @@ class Namespace:
 
 @dataclass(eq=False)
 class StorePlan:
-    ns: Namespace
+    ns: Bucket
     entries: list            # Entry to write, or None (skipped / no space), per key
     skipped: list[int]       # indices already present or being written
     no_space: list[int]      # indices that found no room
@@ -70,7 +73,7 @@ class StorePlan:
 
 @dataclass(eq=False)
 class LoadPlan:
-    ns: Namespace
+    ns: Bucket
     entries: list            # pinned Entry per key, or None when missing
     missing: list[int]
     done: bool = False       # completed: a second completion would steal others' pins
@@ -80,7 +83,7 @@ class BlockIndex:
     def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy | None = None):
         self.alloc_ = allocator
         self.policy = policy if policy is not None else LRUPolicy()
-        self.namespaces: dict[str, Namespace] = {}
+        self.namespaces: dict[str, Bucket] = {}
         self.by_offset: dict[int, Entry] = {}  # prefix entries only, for slab eviction
         self.pinned_offsets: set[int] = set()  # offsets held outside the policy (swap)
         self.evictions = 0
@@ -88,7 +91,7 @@ class BlockIndex:
         self._events: list[tuple[str, str, bytes]] = []
 
     # ---- namespaces ----------------------------------------------------------
-    def namespace(self, fingerprint: str, block_bytes: int) -> Namespace:
+    def namespace(self, fingerprint: str, block_bytes: int) -> Bucket:
         ns = self.namespaces.get(fingerprint)
         if ns is None and len(self.namespaces) >= MAX_NAMESPACES:
             # Namespaces are never forgotten (their counters are the status history);
@@ -96,7 +99,7 @@ class BlockIndex:
             raise ValueError(f"too many namespaces ({MAX_NAMESPACES}); flush or restart the daemon")
         if ns is None:
             cls = self.alloc_.add_class(block_bytes)
-            ns = Namespace(len(self.namespaces) + 1, fingerprint, block_bytes, cls)
+            ns = Bucket(len(self.namespaces) + 1, fingerprint, block_bytes, cls)
             self.namespaces[fingerprint] = ns
         elif ns.block_bytes != block_bytes:
             raise ValueError(f"namespace {fingerprint!r} has {ns.block_bytes}-byte blocks, "
@@ -104,7 +107,7 @@ class BlockIndex:
         return ns
 
     # ---- lookup / store / load -------------------------------------------------
-    def lookup(self, ns: Namespace, keys: list[bytes]) -> int:
+    def lookup(self, ns: Bucket, keys: list[bytes]) -> int:
         found = ready_prefix(ns.ready_map, keys)
         self.policy.touch_chain(found)
         hits = len(found)
@@ -114,7 +117,7 @@ class BlockIndex:
         stats["misses"] += len(keys) - hits
         return hits
 
-    def prepare_store(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
+    def prepare_store(self, ns: Bucket, keys: list[bytes]) -> StorePlan:
         plan = StorePlan(ns, [None] * len(keys), [], [])
         # Blocks this store skips because they are present are part of the same
         # chain: making room must not evict them (the new blocks would be unreachable).
@@ -167,7 +170,7 @@ class BlockIndex:
                              - len(plan.skipped) - len(plan.no_space))
         return len(committed)
 
-    def prepare_load(self, ns: Namespace, keys: list[bytes]) -> LoadPlan:
+    def prepare_load(self, ns: Bucket, keys: list[bytes]) -> LoadPlan:
         plan = LoadPlan(ns, list(map(ns.ready_map.get, keys)), [])
         found = []
         for i, e in enumerate(plan.entries):
@@ -208,7 +211,7 @@ class BlockIndex:
         if e.state == READY and e.pins == 0 and e.ns.entries.get(e.key) is e:
             self._drop(e, removed=True)
 
-    def flush(self, ns: Namespace | None = None) -> int:
+    def flush(self, ns: Bucket | None = None) -> int:
         """Drop READY unpinned entries (of one namespace or all); returns how many."""
         victims = [e for n in ([ns] if ns else self.namespaces.values())
                    for e in n.entries.values() if e.state == READY and e.pins == 0]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .index import BlockIndex, Namespace
+from .index import BlockIndex, Bucket
 
 WRITING, READY, RESTORING = "writing", "ready", "restoring"
 
@@ -29,7 +29,7 @@ WRITING, READY, RESTORING = "writing", "ready", "restoring"
 class SwapRecord:
     owner: int
     request: str
-    ns: Namespace
+    ns: Bucket
     engine_blocks: int
     offsets: list[int] = field(default_factory=list)
     state: str = WRITING
@@ -55,7 +55,7 @@ class SwapTable:
         return sum(1 for o, _ in self.records if o == owner)
 
     # ---- offload ----------------------------------------------------------------
-    def prepare_offload(self, owner: int, quota: int, ns: Namespace, request: str,
+    def prepare_offload(self, owner: int, quota: int, ns: Bucket, request: str,
                         engine_blocks: int, block_factor: int) -> tuple[SwapRecord | None, str]:
         """Reserve room for one request, all or nothing. Returns (record, "") or
         (None, reason) with reason "exists", "quota" or "no_space"."""

@@ -1,10 +1,12 @@
 """Data path, split by where it runs.
 
 Engine side (imported by workers): ``shm.ShmKVCache``, ``cuda.CudaKVCache``,
+``adopt.adopt_into_shm`` (move engine-allocated tensors into shared memory),
 ``events.record_on``. Daemon side: ``mapping.open_specs`` (validate and map
-an engine's memory), ``layout.KVLayout`` (block geometry and the CPU copy
-routine), ``worker.CopyWorker``, and the CUDA data path (``gpu``, ``pinning``,
-``copier``, ``runs``). Shared: ``specs`` (the tensor spec format).
+an engine's memory), ``layout.KVLayout`` (block geometry), ``copy.BlockCopier``
+(the CPU copy routine), ``worker.CopyWorker``, and the CUDA data path
+(``gpu``, ``gpu_copy``, ``pinning``). Shared: ``specs`` (the tensor spec
+format), ``runs`` (copy planning).
 """
 
 from .layout import KVLayout

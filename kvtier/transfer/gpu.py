@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from .copier import MethodChooser, RunCopier
+from .gpu_copy import MethodChooser, RunCopier
 from .events import EventCache
 from .mapping import local_uuids
 from .pinning import PinnedPool

@@ -19,7 +19,7 @@ from kvtier.client import CudaKVCache, KVTierError, block_hashes
 from kvtier.protocol import messages as m
 from kvtier.protocol.codec import decode, encode
 from kvtier.protocol.errors import ErrorCode
-from kvtier.transfer.copier import MethodChooser
+from kvtier.transfer.gpu_copy import MethodChooser
 from kvtier.transfer.mapping import check_cuda_spec, device_index, open_cuda_specs, open_specs
 from kvtier.transfer.specs import SpecError, normalize_uuid
 from kvtier.transfer.pinning import DL_CPU, chunk_ranges, dlpack_view

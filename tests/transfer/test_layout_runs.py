@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from kvtier.transfer.layout import KVLayout, _runs
+from kvtier.transfer.copy import _runs
+from kvtier.transfer.layout import KVLayout
 
 BLOCKS = 24
 

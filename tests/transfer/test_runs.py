@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from kvtier.transfer.copier import RunCopier
+from kvtier.transfer.gpu_copy import RunCopier
 from kvtier.transfer.layout import KVLayout
 from kvtier.transfer.runs import Geometry, TensorRuns, block_pieces, coalesce, word_bytes
 
