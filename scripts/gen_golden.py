@@ -36,7 +36,7 @@ HASHES = block_hashes(TOKENS, 16)
 SPEC = {"kind": "shm", "seg": "/kvtier-kv.4242.0.a1b2c3", "offset": 0, "dtype": "float16",
         "shape": [32, 2, 16, 2, 32], "stride": [2048, 1024, 64, 32, 1], "block_dim": 0}
 U64_MAX = (1 << 64) - 1
-DIRECTION = {cls.TAG: "reply" for cls in (m.Welcome, m.Registered, m.Hits, m.TransferDone,
+DIRECTION = {cls.TAG: "reply" for cls in (m.Welcome, m.Registered, m.Hits, m.HitsMany, m.TransferDone,
                                           m.StatsReply, m.Flushed, m.Ok, m.Error)}
 RESERVED: set[str] = set()  # tags in the codec that the daemon does not serve yet
 
@@ -86,6 +86,9 @@ def messages() -> list[tuple[str, object, int]]:
         ("ping_max_id", m.Ping(), U64_MAX),
         ("bye", m.Bye(), 255),
         ("cancel", m.Cancel(12), 18),
+        ("lookup_many", m.LookupMany(1, [pack_hashes(HASHES), pack_hashes(HASHES[:1])]), 19),
+        ("load_prefix", m.Load(1, pack_hashes(HASHES), pack_ids([20, 21, 22]), 0, b"", True), 20),
+        ("hits_many", m.HitsMany(pack_ids([3, 1])), 19),
         ("welcome", m.Welcome(1, 1, 2.0, 16777216, 4000), 1),
         ("welcome_without_daemon_pid", m.Welcome(1, 1, 2.0, 16777216), 1),
         ("registered", m.Registered(1, 1, 16384, 32), 4),

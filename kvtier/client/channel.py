@@ -178,8 +178,15 @@ class Channel:
 
     # ---- owner's work -----------------------------------------------------------------------
     def _transmit(self, frame: bytes, wait: float) -> None:
-        """IMMEDIATE: writable only while a daemon is connected; wait a bounded
-        time (fresh socket, daemon restarting), then report it missing."""
+        """IMMEDIATE: writable only while a daemon is connected. Try at once (the
+        common case costs no poll); else wait a bounded time (fresh socket,
+        daemon restarting), then report it missing."""
+        if self._sock is not None:
+            try:
+                self._sock.send(frame, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
         if self._sock is None or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
             raise DaemonUnavailable(f"no kvtier daemon at {self.path}")
         try:
@@ -217,11 +224,9 @@ class Channel:
     def _drain(self) -> None:
         """Read every reply available and hand each to its waiter."""
         forgotten = False
-        while True:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        sock = self._sock
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:  # no exception to end the loop
+            frame = sock.recv(zmq.NOBLOCK)
             with self.cv:
                 forgotten |= self.session.deliver(frame)
                 self.cv.notify_all()

@@ -10,7 +10,7 @@ exception: they stay held until the daemon answers them or its process is
 gone (see ``handles.py``). The same thread reconnects when a daemon is back
 and replays the registration.
 
-Primitives: ``register_kv_cache``, ``lookup``, ``store``/``load`` (handles),
+Primitives: ``register_kv_cache``, ``lookup``, ``lookup_many``, ``store``/``load`` (handles),
 ``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``ping``,
 ``close``, ``connected``, ``registration``.
 """
@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ..protocol import messages as m
-from ..protocol.arrays import pack_hashes, pack_ids
+from ..protocol.arrays import pack_hashes, pack_ids, unpack_ids
 from ..protocol.endpoints import default_socket
 from ..protocol.errors import ErrorCode
 from .channel import Channel
@@ -210,6 +210,15 @@ class Client:
         msg = m.Lookup(self._reg_id(), pack_hashes(hashes))
         return self._degrade(lambda: self.channel.call(msg).hits, 0)
 
+    def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
+        """``lookup`` for many requests (a scheduling step) in one round trip;
+        all 0 while the daemon is unreachable."""
+        if not chains:
+            return []
+        msg = m.LookupMany(self._reg_id(), [pack_hashes(c) for c in chains])
+        zeros = [0] * len(chains)
+        return self._degrade(lambda: unpack_ids(self.channel.call(msg).hits).tolist(), zeros)
+
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, event=None,
               stream=None) -> TransferHandle:
         """Copy engine blocks into the pool under ``hashes`` (block_factor ids
@@ -226,16 +235,23 @@ class Client:
         return self._transfer(msg, len(hashes), block_ids)
 
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0, *, event=None,
-             stream=None) -> TransferHandle:
+             stream=None, prefix: bool = False) -> TransferHandle:
         """Copy pool blocks into engine blocks. The result's ``failed`` lists the
         hashes that were not loaded: the engine must recompute those.
+
+        ``prefix=True`` is lookup and load in one round trip: only the longest
+        ready prefix of ``hashes`` is loaded (``block_ids`` still names a block
+        for every hash); ``result.done + len(result.failed)`` is the prefix
+        length, and the blocks after it are not reported failed - they were
+        simply not cached.
 
         GPU caches: ``stream``/``event`` as for ``store``, marking when the
         engine is done with the destination blocks; before attention reads
         them, call ``handle.wait_event(stream)`` so that stream waits for the
         daemon's copy."""
         _check_len(len(block_ids), len(hashes) * self.block_factor - skip)
-        msg = m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip, self._fence(event, stream))
+        msg = m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip, self._fence(event, stream),
+                     prefix)
         return self._transfer(msg, len(hashes), block_ids)
 
     # ---- request swap --------------------------------------------------------------------

@@ -117,6 +117,10 @@ class LoadOp(CopyOp):
     def prepare(cls, index: BlockIndex, client: ClientState, reg: Registration, request_id: int, msg: m.Load):
         keys = check_keys(msg.hashes)
         fence, ids = cls.check(reg, msg, keys)
+        if msg.prefix:  # lookup-and-load: only the ready prefix, the rest is no failure
+            hits = index.lookup(reg.ns, keys)
+            keys = keys[:hits]
+            ids = ids[:max(0, hits * reg.layout.block_factor - msg.skip)]
         plan = index.prepare_load(reg.ns, keys)
         pairs = reg.layout.pairs([e.offset if e is not None else None for e in plan.entries], ids, msg.skip)
         op = cls(index, plan, len(keys), client, reg, request_id, pairs, fence)

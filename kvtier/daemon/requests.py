@@ -19,13 +19,16 @@ from ..pool.swap import SwapTable
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from .copies import CopyRunner
-from .ops import LoadOp, OffloadOp, RestoreOp, StoreOp, check_keys
+from ..protocol.arrays import HASH_BYTES, pack_ids
+from .ops import MAX_BLOCKS_PER_OP, LoadOp, OffloadOp, RestoreOp, StoreOp, check_keys
 from .sessions import Sessions
 from .state import ClientState, DaemonError
 
 log = logging.getLogger("kvtier.daemon")
+MAX_CHAINS = 4096
 
-REFUSED_WHILE_DRAINING = frozenset({m.Hello, m.Register, m.Lookup, m.Store, m.Load, m.Offload, m.Restore})
+REFUSED_WHILE_DRAINING = frozenset({m.Hello, m.Register, m.Lookup, m.LookupMany, m.Store, m.Load,
+                                    m.Offload, m.Restore})
 """New work gets SHUTTING_DOWN at once during a drain; pings, cancels, stats
 and BYE are still served so clients can tell "draining" from "gone"."""
 
@@ -39,7 +42,7 @@ class RequestHandlers:
         self.table: dict[type, Callable] = {
             m.Hello: self.hello, m.Ping: self.ping, m.Bye: self.bye,
             m.Register: self.register, m.Unregister: self.unregister,
-            m.Lookup: self.lookup, m.Store: self.store, m.Load: self.load,
+            m.Lookup: self.lookup, m.LookupMany: self.lookup_many, m.Store: self.store, m.Load: self.load,
             m.Offload: self.offload, m.Restore: self.restore, m.Discard: self.discard,
             m.Cancel: self.cancel, m.Stats: self.stats_request, m.Flush: self.flush,
         }
@@ -73,13 +76,25 @@ class RequestHandlers:
             return None
         return m.Hits(hits)
 
+    def lookup_many(self, client: ClientState, msg: m.LookupMany, identity, req_id):
+        """Every waiting request of a scheduling step in one round trip (local pool only)."""
+        reg = self.sessions.registration(client, msg.reg)
+        if not 0 < len(msg.chains) <= MAX_CHAINS:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"chains must hold 1..{MAX_CHAINS} entries")
+        if not all(isinstance(c, bytes) for c in msg.chains):
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "each chain must be packed hashes (bytes)")
+        if sum(map(len, msg.chains)) > MAX_BLOCKS_PER_OP * HASH_BYTES:  # checked before unpacking
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"at most {MAX_BLOCKS_PER_OP} hashes per call")
+        lookup = self.index.lookup
+        return m.HitsMany(pack_ids([lookup(reg.ns, check_keys(c)) for c in msg.chains]))
+
     def store(self, client: ClientState, msg: m.Store, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
         return self._run(StoreOp.prepare(self.index, client, reg, req_id, msg))
 
     def load(self, client: ClientState, msg: m.Load, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
-        if self.remote is not None and self.remote_fetch(reg, msg, identity, req_id):
+        if self.remote is not None and not msg.prefix and self.remote_fetch(reg, msg, identity, req_id):
             return None  # the load runs again here once the fetched blocks are in the pool
         return self._run(LoadOp.prepare(self.index, client, reg, req_id, msg))
 

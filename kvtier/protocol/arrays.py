@@ -24,9 +24,10 @@ def pack_hashes(hashes: Sequence[bytes] | bytes) -> bytes:
     if isinstance(hashes, (bytes, bytearray, memoryview)):
         data = bytes(hashes)
     else:
-        for h in hashes:
-            if len(h) != HASH_BYTES:
-                raise ValueError(f"block hash must be {HASH_BYTES} bytes, got {len(h)}")
+        sizes = set(map(len, hashes))  # one C-level pass, not a Python check per hash
+        if sizes - {HASH_BYTES}:
+            bad = next(iter(sizes - {HASH_BYTES}))
+            raise ValueError(f"block hash must be {HASH_BYTES} bytes, got {bad}")
         data = b"".join(hashes)
     if len(data) % HASH_BYTES:
         raise ValueError(f"packed hashes must be a multiple of {HASH_BYTES} bytes")

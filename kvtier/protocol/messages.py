@@ -8,6 +8,7 @@ Primitives:
   Hello/Welcome            open a session (protocol version checked here)
   Register/Registered      export a KV cache under a namespace fingerprint
   Lookup/Hits              longest ready prefix of a hash chain
+  LookupMany/HitsMany      the same for many chains (a scheduling step) at once
   Store, Load/TransferDone two-phase copies; reply when the copy finished
   Offload, Restore, Discard request swap (owned by one client, not shared)
   Cancel -> Ok             stop a transfer; its own reply then confirms it is over
@@ -76,6 +77,13 @@ class Lookup:
     TAG: ClassVar[str]
 
 
+@message("lkm")
+class LookupMany:
+    reg: int
+    chains: list            # [hashes: bytes, ...], one packed hash chain per request
+    TAG: ClassVar[str]
+
+
 @message("st")
 class Store:
     reg: int
@@ -92,6 +100,7 @@ class Load:
     blocks: bytes           # engine block ids: block_factor per hash - skip
     skip: int = 0           # engine blocks of the first kvtier block not loaded
     event: bytes = b""      # CUDA: IPC handle of the worker's event; the daemon writes after it
+    prefix: bool = False    # load only the longest ready prefix (lookup + load in one round trip)
     TAG: ClassVar[str]
 
 
@@ -172,6 +181,12 @@ class Hits:
     TAG: ClassVar[str]
 
 
+@message("hitsm")
+class HitsMany:
+    hits: bytes             # int32 per chain, in request order
+    TAG: ClassVar[str]
+
+
 @message("done")
 class TransferDone:
     done: int               # blocks copied (store: newly stored)
@@ -208,7 +223,7 @@ class Error:
 
 
 REQUESTS: frozenset[type] = frozenset({
-    Hello, Register, Unregister, Lookup, Store, Load, Offload, Restore, Discard, Stats, Flush,
+    Hello, Register, Unregister, Lookup, LookupMany, Store, Load, Offload, Restore, Discard, Stats, Flush,
     Ping, Bye, Cancel})
 """Messages a client may send; every other tag is a reply."""
 
