@@ -153,7 +153,7 @@ def copy_rows(args, socket: str) -> list[dict]:
     return rows
 
 
-def lookup_rows(args, socket: str) -> list[dict]:
+def lookup_rows(args, socket: str, label: str = "") -> list[dict]:
     e = bc.Engine(socket, max(args.lookup_sizes))
     stored = bc.hashes(max(args.lookup_sizes))
     e.store(stored)
@@ -161,56 +161,19 @@ def lookup_rows(args, socket: str) -> list[dict]:
     try:
         for n in args.lookup_sizes:
             r = bc.latency_point(args, e, stored[:n], bc.hashes(n))
-            rows.append({"path": f"lookup {n} hashes, p50", "kvtier_us": r["hit_p50_us"],
+            rows.append({"path": f"lookup {n} hashes{label}, p50", "kvtier_us": r["hit_p50_us"],
                          "base_us": r["bare_p50_us"], "ratio": r["hit_vs_bare_p50"],
                          "miss_us": r["miss_p50_us"], "reps": r["reps"]})
             if args.progress:
-                print(f"  lookup {n}: {r['hit_p50_us']:.0f} vs {r['bare_p50_us']:.0f} us", flush=True)
-            shm = shm_point(args, stored[:n], bc.hashes(n))
-            if shm:
-                rows.append(shm)
+                print(f"  lookup {n}{label}: {r['hit_p50_us']:.0f} vs {r['bare_p50_us']:.0f} us", flush=True)
     finally:
         e.close()
     return rows
 
 
-def shm_point(args, hit: list[bytes], miss: list[bytes]) -> dict | None:
-    """A lookup answered from the shared-memory index (kvtier.pool.shm_index, not
-    yet wired into the daemon/client: writer and reader both here) vs the bare echo."""
-    try:
-        from kvtier.pool.shm_index import ShmIndexReader, ShmIndexWriter, segment_name
-    except ImportError:  # a checkout before the module existed
-        return None
-    import tempfile
-    n = len(hit)
-    w = ShmIndexWriter(segment_name(), 4 * n)
-    w.add(hit)
-    r = ShmIndexReader(w.name)
-    hit_b, miss_b = b"".join(hit), b"".join(miss)
-    assert r.ready_prefix(hit_b) == n and r.ready_prefix(miss_b) == 0
-    frame, reply = bc.lookup_frame_bytes(n)
-    path = os.path.join(tempfile.mkdtemp(prefix="kvtier-echo-"), "echo.sock")
-    try:
-        with bl.EchoServer(path, reply):
-            bare = bl.BareClient(path, frame)
-            for _ in range(50):
-                bare.call()
-            t = bl.round_robin({"hit": (lambda: r.ready_prefix(hit_b), None),
-                                "miss": (lambda: r.ready_prefix(miss_b), None), "bare": (bare.call, None)},
-                               args.min_time, args.min_reps, args.max_reps)
-            bare.close()
-    finally:
-        r.close()
-        w.close()
-        os.rmdir(os.path.dirname(path))
-    p50 = {k: bl.pct(v, 50) * 1e6 for k, v in t.items()}
-    return {"path": f"lookup {n} hashes via shm index, p50", "kvtier_us": p50["hit"], "miss_us": p50["miss"],
-            "base_us": p50["bare"], "ratio": p50["hit"] / p50["bare"], "reps": len(t["hit"])}
-
-
-def throughput_rows(args, socket: str) -> list[dict]:
+def throughput_rows(args, socket: str, label: str = "") -> list[dict]:
     rows = bc.throughput_sweep(args, socket)
-    return [{"path": f"{r['hashes']}-hash lookups/s, {r['clients']} clients", "kvtier_rps": r["kvtier_rps"],
+    return [{"path": f"{r['hashes']}-hash lookups/s, {r['clients']} clients{label}", "kvtier_rps": r["kvtier_rps"],
              "base_rps": r["bare_rps"], "ratio": r["kvtier_vs_bare"]} for r in rows]
 
 
@@ -264,6 +227,13 @@ def main(argv=None) -> int:
             report["lookup"] = lookup_rows(args, d.socket)
         if "throughput" in args.only:
             report["throughput"] = throughput_rows(args, d.socket)
+    # The same rows with the daemon's lookup mirror on (config lookup_index): the
+    # client answers from shared memory, no round trip.
+    with PrivateDaemon("512MiB", "8MiB", env={**env, "KVTIER_LOOKUP_INDEX": "true"}) as d:
+        if "lookup" in args.only:
+            report["lookup"] += lookup_rows(args, d.socket, " (lookup_index on)")
+        if "throughput" in args.only:
+            report["throughput"] += throughput_rows(args, d.socket, " (lookup_index on)")
     report["machine"] = bl.machine_notes()
     report["commit"] = os.popen(f"git -C {bl.REPO} rev-parse --short HEAD 2>/dev/null").read().strip()
     bl.emit(report, render(report), args.json)

@@ -92,6 +92,7 @@ def messages() -> list[tuple[str, object, int]]:
         ("welcome", m.Welcome(1, 1, 2.0, 16777216, 4000), 1),
         ("welcome_without_daemon_pid", m.Welcome(1, 1, 2.0, 16777216), 1),
         ("registered", m.Registered(1, 1, 16384, 32), 4),
+        ("registered_with_index", m.Registered(1, 1, 16384, 32, "/kvtier-ix.4000.0123456789abcdef"), 4),
         ("hits", m.Hits(2), 7),
         ("done_store", m.TransferDone(2, 1, b"", False), 9),
         ("done_store_no_space", m.TransferDone(1, 0, pack_ids([1, 2]), True), 9),

@@ -56,6 +56,7 @@ class Client:
         self.channel = Channel(self.socket_path, self.session, timeout, self._forgotten)
         self._register_args: tuple | None = None
         self._reg: m.Registered | None = None
+        self._mirror = None  # ShmIndexReader of the namespace's ready hashes, when offered
         self.kv: "ShmKVCache | CudaKVCache | None" = None
         self.block_factor = 1
         self.reconnects = 0
@@ -104,6 +105,7 @@ class Client:
                 self.session.welcome(welcome)
             if self._register_args is not None:
                 self._reg = self.channel.call(m.Register(*self._register_args), timeout=wait)
+                self._open_mirror(self._reg.index)
             self.session.healthy = True
 
     def _lose_session(self, why: str) -> None:
@@ -156,6 +158,7 @@ class Client:
         self.channel.fail_all(lost, transfers_too=True)
         self.session.healthy = False
         self.channel.close()
+        self._open_mirror("")
 
     def _confirm_transfers(self, limit: float) -> None:
         with self.channel.cv:
@@ -190,6 +193,7 @@ class Client:
         reg = self._degrade(lambda: self.channel.call(m.Register(*args)), None)
         if reg is not None:
             self._reg = reg
+            self._open_mirror(reg.index)
         self._register_args = args  # a refusal raised above: nothing to replay
         return self.registration
 
@@ -205,10 +209,31 @@ class Client:
 
     # ---- prefix cache ------------------------------------------------------------------
     def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Number of leading ``hashes`` ready in the pool (one round trip); 0
-        while the daemon is unreachable."""
-        msg = m.Lookup(self._reg_id(), pack_hashes(hashes))
+        """Number of leading ``hashes`` ready in the pool (one round trip, or
+        none when the daemon mirrors the namespace in shared memory); 0 while
+        the daemon is unreachable."""
+        packed = pack_hashes(hashes)
+        mirror = self._mirror
+        if mirror is not None and self.session.healthy:
+            hits = mirror.ready_prefix(packed)
+            if hits is not None:  # None: the mirror cannot say (overflowed, busy): ask
+                return hits
+        msg = m.Lookup(self._reg_id(), packed)
         return self._degrade(lambda: self.channel.call(msg).hits, 0)
+
+    def _open_mirror(self, name: str) -> None:
+        """Map the daemon's lookup mirror if offered and readable by this user."""
+        old, self._mirror = self._mirror, None
+        if old is not None:
+            old.close()
+        if not name:
+            return
+        from ..pool.shm_index import ShmIndexReader
+        from ..pool.segment import SegmentError
+        try:
+            self._mirror = ShmIndexReader(name)
+        except SegmentError as exc:  # another user's daemon (mode 0600): lookups use the socket
+            log.info("kvtier: lookup mirror not readable here (%s); lookups go over the socket", exc)
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
         """``lookup`` for many requests (a scheduling step) in one round trip;

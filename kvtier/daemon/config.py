@@ -44,6 +44,7 @@ class DaemonConfig:
     inline_copy_bytes: int = 512 * 2**10  # copies up to this size run on the loop thread
     copy_chunk_bytes: int = 16 * 2**20    # a cancelled copy stops within one chunk
     drain_timeout_s: float = 30.0   # SIGTERM: copies still running after this are cancelled
+    lookup_index: bool = False      # mirror ready hashes in shm: same-user clients look up without a round trip
     swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off

@@ -24,6 +24,7 @@ clients reaped and the pool unmapped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -49,6 +50,8 @@ from ..waker import Waker
 from .config import DaemonConfig
 from .copies import CopyRunner
 from .housekeeping import Housekeeping
+from .lookup_index import STALE_PREFIX as INDEX_PREFIX
+from .lookup_index import LookupIndexes
 from .listen import Listener, StartupError, UnfitConfig, take_socket_lock
 from .requests import REFUSED_WHILE_DRAINING, RequestHandlers
 from .sessions import Sessions
@@ -58,13 +61,14 @@ from .stats import daemon_stats
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
 POOL_PREFIX = "kvtier-pool."
-CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long for copies to stop
+CANCEL_GRACE_S = 5.0
+_instances = itertools.count()  # after cancelling at the drain deadline, wait this long for copies to stop
 
 
 class Daemon:
     def __init__(self, config: DaemonConfig, notifier=None, reloader=None):
         self.housekeeping = Housekeeping(config, notifier, reloader, self.stats)
-        self.copies = self.remote = None
+        self.copies = self.remote = self.lookup_indexes = None
         self.notifier = self.housekeeping.notifier
         self.started = time.time()
         self.counters: Counter = Counter()
@@ -73,10 +77,11 @@ class Daemon:
         self._closed = False
         self._lock_fd = take_socket_lock(config.socket)
         self.notifier.status("removing stale shared memory")
-        for prefix in (POOL_PREFIX, KV_PREFIX):
+        for prefix in (POOL_PREFIX, KV_PREFIX, INDEX_PREFIX):
             cleanup_stale(prefix)
         self._check_ram(config)
-        self.pool_name = f"/{POOL_PREFIX}{os.getpid()}"
+        n = next(_instances)  # a second daemon in one process (tests) needs its own name
+        self.pool_name = f"/{POOL_PREFIX}{os.getpid()}" + (f".{n}" if n else "")
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
         log.info("reserving and prefaulting a %s pool (about a second per GiB)...", format_size(config.pool_size))
         try:
@@ -88,6 +93,8 @@ class Daemon:
         self.index.record_events = bool(config.events)
         self.event_seq = 0  # last block-event message number published
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
+        self.lookup_indexes = LookupIndexes(config.pool_size) if config.lookup_index else None
+        self.index.mirror = self.lookup_indexes
         self.gpu = self._start_gpu(config)
         self.notifier.status(f"binding {config.socket}")
         self.listener = Listener(config, owns_path=self._lock_fd is not None)
@@ -95,7 +102,7 @@ class Daemon:
                                  lambda: self.config, self.listener.send, Sessions.release_if_idle,
                                  self.counters, self.errors, self.housekeeping.latency)
         self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.copies.cancel,
-                                 self.counters, self.gpu)
+                                 self.counters, self.gpu, self.lookup_indexes)
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
         self.remote = self._start_remote(config)
         if self.remote is not None:
@@ -331,6 +338,8 @@ class Daemon:
             self.copies.close()
         if self.remote is not None:  # its threads write into the pool: stop them before the unmap
             self.remote.close()
+        if self.lookup_indexes is not None:
+            self.lookup_indexes.close()
         self.listener.close()
         if self.gpu is not None:
             self.gpu.close()  # unpin before the pool is unmapped

@@ -38,9 +38,9 @@ MAX_REGISTRATIONS = 64
 
 class Sessions:
     def __init__(self, settings: Callable[[], DaemonConfig], index: BlockIndex, swap: SwapTable,
-                 cancel: Callable[[object, str], None], counters: Counter, gpu=None):
+                 cancel: Callable[[object, str], None], counters: Counter, gpu=None, lookup_indexes=None):
         self.settings, self.index, self.swap, self.cancel = settings, index, swap, cancel
-        self.counters, self.gpu = counters, gpu
+        self.counters, self.gpu, self.lookup_indexes = counters, gpu, lookup_indexes
         self.clients: dict[bytes, ClientState] = {}
         self._next_client = self._next_reg = 0
 
@@ -95,7 +95,8 @@ class Sessions:
             client.swap_quota = msg.swap_quota
         log.info("client %d registered cache %d: namespace=%r block=%d bytes x %d blocks",
                  client.id, reg.id, ns.fingerprint, layout.block_bytes, layout.num_blocks)
-        return m.Registered(reg.id, ns.id, layout.block_bytes, layout.num_blocks)
+        mirror = self.lookup_indexes.segment_for(ns) if self.lookup_indexes is not None else ""
+        return m.Registered(reg.id, ns.id, layout.block_bytes, layout.num_blocks, mirror)
 
     @staticmethod
     def registration(client: ClientState, reg_id: int) -> Registration:

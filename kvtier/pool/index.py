@@ -88,6 +88,7 @@ class BlockIndex:
         self.pinned_offsets: set[int] = set()  # offsets held outside the policy (swap)
         self.evictions = 0
         self.record_events = False
+        self.mirror = None  # optional: .stored(bucket, keys) / .removed(bucket, key) as READY changes
         self._events: list[tuple[str, str, bytes]] = []
 
     # ---- namespaces ----------------------------------------------------------
@@ -166,6 +167,8 @@ class BlockIndex:
         self.policy.insert_chain(committed)  # head of the chain ends most recent
         if self.record_events:
             self._events.extend(("stored", plan.ns.fingerprint, e.key) for e in committed)
+        if self.mirror is not None and committed:
+            self.mirror.stored(plan.ns, [e.key for e in committed])
         plan.ns.stats.update(stored=len(committed), store_failed=len(plan.entries) - len(committed)
                              - len(plan.skipped) - len(plan.no_space))
         return len(committed)
@@ -290,6 +293,8 @@ class BlockIndex:
         if e.state == READY:
             e.ns.ready -= 1
             del e.ns.ready_map[e.key]
+            if self.mirror is not None:
+                self.mirror.removed(e.ns, e.key)
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)

@@ -172,6 +172,7 @@ class Registered:
     namespace_id: int
     block_bytes: int
     num_blocks: int          # engine blocks in the registered cache
+    index: str = ""          # shm segment mirroring the namespace's ready hashes ("" = none)
     TAG: ClassVar[str]
 
 

@@ -38,7 +38,7 @@ WIRE = {  # tag: (class, [(field, type, default)])
     "welcome": ("Welcome", [("version", "int", M), ("client_id", "int", M), ("heartbeat_s", "float", M),
                             ("max_message", "int", M), ("daemon_pid", "int", 0)]),
     "regd": ("Registered", [("reg", "int", M), ("namespace_id", "int", M), ("block_bytes", "int", M),
-                            ("num_blocks", "int", M)]),
+                            ("num_blocks", "int", M), ("index", "str", "")]),
     "hits": ("Hits", [("hits", "int", M)]),
     "hitsm": ("HitsMany", [("hits", "bytes", M)]),
     "done": ("TransferDone", [("done", "int", M), ("skipped", "int", 0), ("failed", "bytes", b""),
