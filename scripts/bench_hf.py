@@ -68,12 +68,14 @@ def prompts(seed: int, lengths) -> list[list[int]]:
     return [torch.randint(3, 1024, (n,), generator=g).tolist() for n in lengths]
 
 
-def plain_hf(model, inputs, blocks, new_tokens=NEW_TOKENS, timestamps=False, one_by_one=False) -> list:
+def plain_hf(model, inputs, blocks, new_tokens=NEW_TOKENS, timestamps=False, one_by_one=False) -> tuple:
+    """(outputs, (wall, CPU) seconds from submitting to the last result; engine start/stop excluded)."""
     manager = model.init_continuous_batching(greedy(new_tokens), cb_config(blocks))
     manager.start()
     try:
         batches = [[p] for p in inputs] if one_by_one else [inputs]
         ids, done = [], {}
+        t0, c0 = time.perf_counter(), time.process_time()
         for batch in batches:
             ids += manager.add_requests(batch, max_new_tokens=new_tokens, record_timestamps=timestamps)
             while len(done) < len(ids):
@@ -81,17 +83,21 @@ def plain_hf(model, inputs, blocks, new_tokens=NEW_TOKENS, timestamps=False, one
                 if out is None:
                     raise RuntimeError("plain HF stalled")
                 done[out.request_id] = out
+        elapsed = (time.perf_counter() - t0, time.process_time() - c0)
     finally:
         manager.stop(block=True)
         manager.destroy()
-    return [done[i] for i in ids]
+    return [done[i] for i in ids], elapsed
 
 
-def with_kvtier(model, inputs, blocks, socket, new_tokens=NEW_TOKENS, timestamps=False):
+def with_kvtier(model, inputs, blocks, socket, new_tokens=NEW_TOKENS, timestamps=False) -> tuple:
+    """(outputs, counters, (wall, CPU) seconds from submitting to the last result)."""
     with KVTierContinuousBatchingManager(model, greedy(new_tokens), cb_config(blocks), model_id=MODEL_ID,
                                          socket=socket) as cb:
+        t0, c0 = time.perf_counter(), time.process_time()
         outputs = cb.generate(inputs, max_new_tokens=new_tokens, record_timestamps=timestamps, timeout=1800)
-    return outputs, cb.counters
+        elapsed = (time.perf_counter() - t0, time.process_time() - c0)
+    return outputs, cb.counters, elapsed
 
 
 def ttft_ms(output) -> float:
@@ -100,37 +106,37 @@ def ttft_ms(output) -> float:
 
 def pressure(args, model, socket) -> None:
     g = torch.Generator().manual_seed(7)
-    lengths = torch.randint(64, 193, (args.requests,), generator=g).tolist()
+    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g).tolist()
     inputs = prompts(11, lengths)
-    demand = sum(-(-(n + NEW_TOKENS) // PAGE) for n in lengths)
-    print(f"## cache pressure: {args.requests} requests, {sum(lengths)} prompt tokens, {NEW_TOKENS} new each; "
+    new = args.new_tokens
+    demand = sum(-(-(n + new) // PAGE) for n in lengths)
+    print(f"## cache pressure: {args.requests} requests, {sum(lengths)} prompt tokens, {new} new each; "
           f"cache {args.blocks} blocks of {PAGE} tokens for {demand} blocks of demand")
-    generated = args.requests * NEW_TOKENS
-    best = {"plain": float("inf"), "kvtier": float("inf")}
+    generated = args.requests * new
+    best = {"plain": (float("inf"), 0.0), "kvtier": (float("inf"), 0.0)}
     counters = None
     # What a soft reset costs in compute: the same scheduler with no daemon (every victim recomputed).
-    _, recompute = with_kvtier(model, inputs, args.blocks, socket + ".absent")
+    _, recompute, _ = with_kvtier(model, inputs, args.blocks, socket + ".absent", new_tokens=new)
     for rep in range(args.reps):
-        t0 = time.perf_counter()
-        ref = plain_hf(model, inputs, args.blocks)
-        best["plain"] = min(best["plain"], time.perf_counter() - t0)
+        ref, elapsed = plain_hf(model, inputs, args.blocks, new_tokens=new)
+        best["plain"] = min(best["plain"], elapsed)
         with Client(socket) as client:
             client.flush()  # earlier reps stored these prompts: this part measures swap, not prefix hits
-        t0 = time.perf_counter()
-        outs, counters = with_kvtier(model, inputs, args.blocks, socket)
-        best["kvtier"] = min(best["kvtier"], time.perf_counter() - t0)
+        outs, counters, elapsed = with_kvtier(model, inputs, args.blocks, socket, new_tokens=new)
+        best["kvtier"] = min(best["kvtier"], elapsed)
         same = [o.generated_tokens for o in outs] == [r.generated_tokens for r in ref]
         if not same:
             sys.exit("kvtier tokens differ from plain HF")
-        print(f"  rep {rep}: plain {generated / best['plain']:.1f} tok/s, kvtier {generated / best['kvtier']:.1f} "
-              f"tok/s (best so far); tokens identical: {same}")
+        print(f"  rep {rep}: plain {generated / best['plain'][0]:.1f} tok/s, kvtier "
+              f"{generated / best['kvtier'][0]:.1f} tok/s (best so far); tokens identical: {same}")
     print(f"  soft reset everywhere: {recompute.soft_resets} soft resets, {recompute.computed_tokens} tokens computed")
     print(f"  kvtier counters (last run): offloaded {counters.offloaded_requests}, restored "
           f"{counters.restored_requests}, soft resets {counters.soft_resets}, computed tokens "
           f"{counters.computed_tokens}")
-    plain_tps, tier_tps = generated / best["plain"], generated / best["kvtier"]
-    print(f"  RESULT soft reset (plain HF): {plain_tps:.1f} tok/s   kvtier swap: {tier_tps:.1f} tok/s   "
-          f"ratio {tier_tps / plain_tps:.2f}x")
+    (plain_s, plain_cpu), (tier_s, tier_cpu) = best["plain"], best["kvtier"]
+    print(f"  engine CPU seconds in the best runs: plain {plain_cpu:.2f}, kvtier {tier_cpu:.2f}")
+    print(f"  RESULT soft reset (plain HF): {generated / plain_s:.1f} tok/s   kvtier swap: {generated / tier_s:.1f} "
+          f"tok/s   ratio {plain_s / tier_s:.2f}x")
 
 
 def second_engine(hidden, layers, threads, doc, questions, blocks, socket, queue) -> None:
@@ -139,8 +145,8 @@ def second_engine(hidden, layers, threads, doc, questions, blocks, socket, queue
     model = build_model(hidden, layers)
     plain, tier, hits = [], [], 0
     for q in questions:
-        ref = plain_hf(model, [doc + q], blocks, new_tokens=4, timestamps=True)[0]
-        outs, counters = with_kvtier(model, [doc + q], blocks, socket, new_tokens=4, timestamps=True)
+        ref = plain_hf(model, [doc + q], blocks, new_tokens=4, timestamps=True)[0][0]
+        outs, counters, _ = with_kvtier(model, [doc + q], blocks, socket, new_tokens=4, timestamps=True)
         if outs[0].generated_tokens != ref.generated_tokens:
             queue.put(("error", "kvtier tokens differ from plain HF"))
             return
@@ -148,7 +154,7 @@ def second_engine(hidden, layers, threads, doc, questions, blocks, socket, queue
         tier.append(ttft_ms(outs[0]))
         hits += counters.loaded_tokens
     # The floor: the same questions on one warm engine that computed the document itself.
-    warm = plain_hf(model, [doc + q for q in questions], blocks, new_tokens=4, timestamps=True, one_by_one=True)
+    warm, _ = plain_hf(model, [doc + q for q in questions], blocks, new_tokens=4, timestamps=True, one_by_one=True)
     queue.put(("ok", (plain, tier, hits, [ttft_ms(o) for o in warm[1:]])))
 
 
@@ -158,11 +164,12 @@ def second_process(args, model, socket) -> None:
     blocks = -(-(args.doc + 16 + 4) // PAGE) + 8
     print(f"## second process: a {args.doc}-token document, {args.questions} questions of 16 tokens, "
           f"cache {blocks} blocks")
-    _, counters = with_kvtier(model, [doc + prompts(23, [16])[0]], blocks, socket, new_tokens=4)
+    _, counters, _ = with_kvtier(model, [doc + prompts(23, [16])[0]], blocks, socket, new_tokens=4)
     print(f"  engine A stored {counters.stored_blocks} blocks")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=second_engine, args=(args.hidden, args.layers, args.threads, doc, questions, blocks, socket, queue))
+    proc = ctx.Process(target=second_engine,
+                       args=(args.hidden, args.layers, args.threads, doc, questions, blocks, socket, queue))
     proc.start()
     status, result = queue.get(timeout=1800)
     proc.join()
@@ -173,8 +180,8 @@ def second_process(args, model, socket) -> None:
     print(f"  plain HF TTFT ms: {' '.join(f'{x:.1f}' for x in plain)}")
     print(f"  kvtier   TTFT ms: {' '.join(f'{x:.1f}' for x in tier)}  ({loaded // len(tier)} prompt tokens "
           f"loaded per request)")
-    print(f"  warm    TTFT ms: {' '.join(f'{x:.1f}' for x in warm)}  (one engine that computed the document: "
-          f"HF's in-process prefix hit, the floor)")
+    print(f"  warm    TTFT ms: {' '.join(f'{x:.1f}' for x in warm)}  (one engine that computed the "
+          f"document: HF's in-process prefix hit, the floor)")
     print(f"  RESULT second-process TTFT median: plain HF {p:.1f} ms   kvtier prefix {t:.1f} ms   "
           f"speedup {p / t:.1f}x   (in-process hit floor {w:.1f} ms)")
 
@@ -183,6 +190,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--blocks", type=int, default=40)
+    ap.add_argument("--prompt-min", type=int, default=64)
+    ap.add_argument("--prompt-max", type=int, default=192)
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--doc", type=int, default=1024)
     ap.add_argument("--questions", type=int, default=5)

@@ -39,6 +39,7 @@ class KVTierScheduler(FIFOScheduler):
     def reset(self) -> None:
         super().reset()
         self._pool_blocks: dict[str, int] = {}  # request id -> leading blocks kvtier already holds
+        self._keys: dict[str, list[bytes]] = {}  # request id -> its prompt's block keys (hashed once)
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
         tier = self.tier
@@ -69,6 +70,7 @@ class KVTierScheduler(FIFOScheduler):
         if self.tier is not None and state is not None and state.status == RequestStatus.FINISHED:
             self._store(self.tier, state)
         self._pool_blocks.pop(request_id, None)
+        self._keys.pop(request_id, None)
         super().finish_request(request_id)
 
     # ---- swap -------------------------------------------------------------------------
@@ -96,9 +98,13 @@ class KVTierScheduler(FIFOScheduler):
         rid, page = state.request_id, tier.page_size
         usable = (len(prompt) - 1) // page  # leave at least one token to compute
         have = state.position_offset // page  # blocks HF matched in this process
-        if usable <= have:
+        # HF offers every waiting request to every step until it fits: ask
+        # kvtier only when the blocks a hit would need are free now.
+        if usable <= have or not self.cache.can_store_request_tokens(state, (usable - have) * page, dry_run=True):
             return
-        keys = tier.prefix_keys(prompt[:usable * page])
+        keys = self._keys.get(rid)
+        if keys is None or len(keys) != usable:
+            keys = self._keys[rid] = tier.prefix_keys(prompt[:usable * page])
         hits = tier.lookup(keys)
         if hits <= have or not self.cache.can_store_request_tokens(state, (hits - have) * page):
             return

@@ -14,7 +14,7 @@ may still read or write it; blocks a failed transfer may still be written
 daemon lets go of them.
 
 Primitives: ``attach``, ``prefix_keys``, ``lookup``, ``load``, ``store``,
-``offload``, ``restore``, ``discard``, ``discard_all``, ``release_quarantine``,
+``offload``, ``restore``, ``swapped_requests``, ``discard``, ``discard_all``, ``release_quarantine``,
 ``close``.
 """
 
@@ -151,6 +151,9 @@ class HFKVTier:
         self.counters.offloaded_requests += len(taken)
         self.counters.soft_resets += len(tables) - len(taken)
         return taken
+
+    def swapped_requests(self) -> list[str]:
+        return list(self._swapped)
 
     def swapped_blocks(self, request_id: str) -> int:
         """Blocks kvtier holds for a swapped request (0 if none)."""
