@@ -17,10 +17,15 @@ import time
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-from kvtier.integrations.transformers import KVTierContinuousBatchingManager
+try:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from kvtier.integrations.transformers import KVTierContinuousBatchingManager
+    MISSING = ""
+except ImportError as exc:
+    MISSING = f"transformers is not installed ({exc}): pip install -e '.[transformers]'"
 from tests.conftest import REPO
 from tests.helpers import spawn
 
@@ -57,6 +62,13 @@ FIRST_ENGINE = [DOCUMENT + q for q in random_prompts(3, [5, 7, 3])] + [DOCUMENT 
 # exactly the first engine's last prompt (a whole number of blocks: the last
 # one must still be computed to produce a first token).
 SECOND_ENGINE = [DOCUMENT + q for q in random_prompts(5, [6, 4, 9])] + [FIRST_ENGINE[-1]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_installed():
+    """A missing engine fails every test here with the fix (never a skip)."""
+    if MISSING:
+        pytest.fail(MISSING, pytrace=False)
 
 
 @pytest.fixture(scope="module")
