@@ -79,8 +79,8 @@ class KVTierScheduler(FIFOScheduler):
         waiting); False: the swap is lost and ``state`` is now a soft reset."""
         rid, page = state.request_id, tier.page_size
         count = tier.swapped_blocks(rid)
-        # HF may want more blocks than were offloaded; kvtier restores exactly
-        # the offloaded count into the first ones of the new table.
+        # Blocks for exactly what was offloaded (restored into the first ones of
+        # the new table); HF allocates the rest when it schedules the request.
         if not self.cache.can_store_request_tokens(state, max(0, count * page - state.position_offset)):
             return None
         if tier.restore(rid, tier.allocator.block_table[rid][:count]):

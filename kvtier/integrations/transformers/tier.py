@@ -141,10 +141,9 @@ class HFKVTier:
         if not tables:
             return set()
         result = self.client.offload(tables).wait()
-        # A failed offload leaves no usable swap; the daemon may still hold a
-        # record if the reply was lost, so drop it by name.
-        for rid in result.failed_requests:
-            self._discard_quietly(rid)
+        if result.error:  # no reply (timeout, daemon gone): a record may exist anyway, drop it by name
+            for rid in result.failed_requests:
+                self._discard_quietly(rid)
         taken = set(tables) - set(result.failed_requests)
         for rid in taken:
             self._swapped[rid] = len(tables[rid])
