@@ -90,10 +90,10 @@ def reference(model):
     return tokens
 
 
-def run_engine(socket: str, prompts: list[list[int]]) -> dict:
+def run_engine(socket: str, prompts: list[list[int]], revision: str = "") -> dict:
     """One HF engine process: generate ``prompts`` with kvtier, report tokens and counters."""
     with KVTierContinuousBatchingManager(tiny_llama(), greedy(), tight_cache(), model_id=MODEL_ID,
-                                         socket=socket) as cb:
+                                         revision=revision, socket=socket) as cb:
         outputs = cb.generate(prompts, timeout=300)
     return {"tokens": [o.generated_tokens for o in outputs], "errors": [o.error for o in outputs],
             "counters": cb.counters.as_dict()}
@@ -147,6 +147,18 @@ def test_a_second_process_loads_the_shared_prefix_the_first_computed(reference, 
     assert b["prefix_hits"] > 0 and b["loaded_tokens"] >= len(DOCUMENT), b
     assert b["computed_tokens"] < a["computed_tokens"], (a, b)
     assert daemon.stats()["totals"]["hits"] > 0
+
+
+def test_an_engine_naming_other_weights_never_loads_these_blocks(reference, daemon):
+    """Blocks are shared only within a namespace: the same prompts under
+    another revision of the model find nothing, and are all computed."""
+    first = run_engine(daemon.socket, FIRST_ENGINE[:2])
+    other = run_engine(daemon.socket, FIRST_ENGINE[:2], revision="other-revision")
+    assert first["counters"]["stored_blocks"] > 0
+    assert other["counters"]["loaded_blocks"] == 0, other["counters"]
+    assert other["tokens"] == [reference(p) for p in FIRST_ENGINE[:2]]
+    namespaces = {n["fingerprint"] for n in daemon.stats()["namespaces"]}
+    assert any(f.startswith(f"{MODEL_ID}@other-revision|float32|") for f in namespaces), namespaces
 
 
 def test_without_a_daemon_preempted_requests_are_soft_reset_and_outputs_unchanged(model, reference, tmp_path):
