@@ -1,5 +1,7 @@
-"""Engine integrations: code that runs inside an inference engine's processes.
+"""Engine integrations: glue between an inference engine's KV cache and kvtier.
 
-Each engine lives in its own subpackage and imports the engine only there,
-so ``import kvtier`` never needs vLLM or transformers installed.
+Each engine gets its own subpackage (imported only by callers that use that
+engine, so kvtier never depends on it). Both move the engine-allocated CPU KV
+tensor into memory the daemon can map with the one helper for that,
+``kvtier.transfer.adopt.adopt_into_shm`` (in place: same addresses).
 """

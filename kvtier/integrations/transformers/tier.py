@@ -1,0 +1,212 @@
+"""One HF paged cache's session with kvtier: the block copies, nothing else.
+
+Runs in the engine process, on HF's generation thread. ``attach`` moves the
+paged cache tensor into shared memory and registers it so kvtier block ids
+are HF block ids (rows of the allocator's ``_copy_view``). The scheduler and
+the offloading manager decide *what* to copy; this object does the copy and
+reports the outcome as a value, never an exception: the engine then falls
+back to what plain HF does (recompute).
+
+Every transfer is waited for before returning. HF hands a block to another
+request as soon as it is free, so a block must not be freed while the daemon
+may still read or write it; blocks a failed transfer may still be written
+(``TransferHandle.held_blocks``) are parked in ``quarantine`` until the
+daemon lets go of them.
+
+Primitives: ``attach``, ``prefix_keys``, ``lookup``, ``load``, ``store``,
+``offload``, ``restore``, ``swapped_requests``, ``discard``, ``discard_all``, ``release_quarantine``,
+``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import torch
+
+from ...client import Client, KVTierError, Namespace, TransferHandle, block_hashes
+from ...transfer.adopt import adopt_into_shm
+
+if TYPE_CHECKING:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+log = logging.getLogger("kvtier.transformers")
+
+
+@dataclass
+class TierCounters:
+    """What the tier did for this engine (``KVTierContinuousBatchingManager.counters``)."""
+    offloaded_requests: int = 0   # swapped out to kvtier instead of being soft reset
+    soft_resets: int = 0          # victims kvtier took no copy of (no room, no daemon): recomputed
+    restored_requests: int = 0    # swapped back in, byte-exact
+    lost_swaps: int = 0           # restore failed (daemon restarted): soft reset before scheduling
+    prefix_lookups: int = 0
+    prefix_hits: int = 0          # requests that loaded at least one block from kvtier
+    loaded_blocks: int = 0
+    loaded_tokens: int = 0        # prompt tokens not prefilled thanks to kvtier
+    stored_blocks: int = 0        # blocks newly copied into kvtier (already-present ones skipped)
+    computed_tokens: int = 0      # tokens the model ran a forward pass on (prefill + decode)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def namespace_for(cache: "PagedAttentionCache", model_id: str, revision: str, tp_rank: int = 0,
+                  tp_size: int = 1) -> Namespace:
+    """Two processes share blocks only when the bytes mean the same thing: same
+    weights (id and revision), dtype, page size and HF's paged layout, whose
+    byte order is HF's own (so the transformers version is part of it)."""
+    import transformers
+
+    (name, allocator), = cache.cache_allocators.items()
+    layout = (f"hf-paged-{name}-L{allocator.pages_per_block}-kv{allocator.num_key_value_heads}"
+              f"x{allocator.head_dim}-tf{transformers.__version__}")
+    model = f"{model_id}@{revision}" if revision else model_id
+    return Namespace(model=model, dtype=str(cache.dtype).removeprefix("torch."), layout=layout,
+                     block_size=allocator.tokens_per_page, tp_rank=tp_rank, tp_size=tp_size)
+
+
+def supports(cache: "PagedAttentionCache") -> str:
+    """Why this cache cannot use kvtier ("" if it can)."""
+    if len(cache.cache_allocators) != 1 or "full_attention" not in cache.cache_allocators:
+        return "only models whose layers all use full attention (one cache allocator) are supported"
+    if cache.cache_tensor.device.type != "cpu":
+        return "GPU paged caches are not wired up yet (CPU only)"
+    return ""
+
+
+class HFKVTier:
+    def __init__(self, client: Client, cache: "PagedAttentionCache", kv, namespace: Namespace):
+        self.client, self.cache, self.kv, self.namespace = client, cache, kv, namespace
+        (self.allocator,) = cache.cache_allocators.values()
+        self.page_size = self.allocator.tokens_per_page
+        self.counters = TierCounters()
+        self._swapped: dict[str, int] = {}  # request id -> blocks kvtier holds for it
+        self.quarantine: list[tuple[TransferHandle, list[int]]] = []
+
+    @classmethod
+    def attach(cls, cache: "PagedAttentionCache", client: Client, namespace: Namespace) -> "HFKVTier":
+        """Move ``cache``'s tensor into shared memory in place (same addresses,
+        same bytes: HF's views and outputs do not change) and register it;
+        block ids are rows of ``_copy_view``."""
+        allocator = next(iter(cache.cache_allocators.values()))
+        flat = cache.cache_tensor.reshape(-1).view(torch.uint8)
+        if flat.data_ptr() != cache.cache_tensor.data_ptr():
+            raise ValueError("HF's cache tensor is not contiguous: cannot register it in place")
+        rows = flat.numel() // allocator.bytes_per_block
+        kv = adopt_into_shm([flat[: rows * allocator.bytes_per_block].view(rows, -1)])
+        client.register_kv_cache(kv, [0], namespace)
+        return cls(client, cache, kv, namespace)
+
+    # ---- prefix tier ---------------------------------------------------------------
+    def prefix_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        """kvtier keys of the full blocks of ``tokens`` (same in every process)."""
+        return block_hashes(tokens, self.page_size)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        self.counters.prefix_lookups += 1
+        return self.client.lookup(keys) if keys else 0
+
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Copy pool blocks into engine blocks; the number of *leading* blocks
+        that arrived (a prefix is only usable up to its first hole)."""
+        handle = self.client.load(keys, block_ids)
+        result = handle.wait()
+        self._park(handle, block_ids)
+        loaded = min(result.failed) if result.failed else len(keys)
+        if loaded:
+            self.counters.prefix_hits += 1
+            self.counters.loaded_blocks += loaded
+            self.counters.loaded_tokens += loaded * self.page_size
+        return loaded
+
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
+        """Copy completed engine blocks into the pool; returns once the daemon
+        has read them, so the caller may free them."""
+        if not keys:
+            return
+        handle = self.client.store(keys, block_ids)
+        result = handle.wait()
+        self.counters.stored_blocks += result.done
+        if handle.held_blocks:  # the daemon may still read them: harmless to HF, worth knowing
+            log.warning("kvtier: store of %d blocks unconfirmed: %s", len(keys), result.error)
+
+    # ---- request swap --------------------------------------------------------------
+    def offload(self, tables: Mapping[str, Sequence[int]]) -> set[str]:
+        """Swap out several requests at once; the ids kvtier took. The copy has
+        finished on return, so HF may hand their blocks to other requests."""
+        tables = {rid: list(ids) for rid, ids in tables.items() if ids}
+        if not tables:
+            return set()
+        result = self.client.offload(tables).wait()
+        if result.error:  # no reply (timeout, daemon gone): a record may exist anyway, drop it by name
+            for rid in result.failed_requests:
+                self._discard_quietly(rid)
+        taken = set(tables) - set(result.failed_requests)
+        for rid in taken:
+            self._swapped[rid] = len(tables[rid])
+        self.counters.offloaded_requests += len(taken)
+        self.counters.soft_resets += len(tables) - len(taken)
+        return taken
+
+    def swapped_requests(self) -> list[str]:
+        return list(self._swapped)
+
+    def swapped_blocks(self, request_id: str) -> int:
+        """Blocks kvtier holds for a swapped request (0 if none)."""
+        return self._swapped.get(request_id, 0)
+
+    def restore(self, request_id: str, block_ids: Sequence[int]) -> bool:
+        """Copy a swapped request back into ``block_ids`` (as many as were
+        offloaded). False: the swap is gone (daemon restarted or missing) and
+        the request must be recomputed."""
+        self._swapped.pop(request_id)
+        handle = self.client.restore(request_id, block_ids)
+        result = handle.wait()
+        self._park(handle, block_ids)
+        if result.ok:
+            self.counters.restored_requests += 1
+            return True
+        self.counters.lost_swaps += 1
+        self._discard_quietly(request_id)
+        log.info("kvtier: swap of %s lost (%s); recomputing it", request_id, result.error or "failed")
+        return False
+
+    def discard(self, request_id: str) -> None:
+        if self._swapped.pop(request_id, None) is not None:
+            self._discard_quietly(request_id)
+
+    def discard_all(self) -> None:
+        for rid in list(self._swapped):
+            self.discard(rid)
+
+    def _discard_quietly(self, request_id: str) -> None:
+        try:
+            self.client.discard(request_id)
+        except KVTierError:
+            pass  # unknown to the daemon: nothing is held for it
+
+    # ---- blocks a failed transfer may still write --------------------------------------
+    def _park(self, handle: TransferHandle, block_ids: Sequence[int]) -> None:
+        held = set(handle.held_blocks)
+        if held:
+            self.quarantine.append((handle, [b for b in block_ids if b in held]))
+
+    def is_parked(self, block_id: int) -> bool:
+        return any(block_id in ids for _, ids in self.quarantine)
+
+    def release_quarantine(self) -> list[int]:
+        """Parked blocks the daemon has let go of since; the caller frees them."""
+        free, keep = [], []
+        for handle, ids in self.quarantine:
+            (keep.append((handle, ids)) if handle.held_blocks else free.extend(ids))
+        self.quarantine = keep
+        return free
+
+    def close(self) -> None:
+        self.discard_all()
+        self.client.close()
+        self.kv.close()
+
