@@ -96,6 +96,9 @@ class Client:
 
     def _open_session(self, wait: float) -> None:
         """New socket, HELLO, replay the registration. Raises DaemonUnavailable."""
+        if not self.socket_path.startswith(("tcp://", "ipc://")) and not os.path.exists(self.socket_path):
+            # No socket file: no daemon to wait for (engines starting degraded do not stall).
+            raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path} (no such socket)")
         with self.channel.own(time.monotonic() + wait):
             self.channel.open()
             pid = 0 if self.socket_path.startswith("tcp://") else os.getpid()
