@@ -18,7 +18,7 @@ Primitives: ``BlockCopier(layout).copy(pool_u8, pairs, to_pool)``, ``.copy_strid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -28,13 +28,24 @@ from .runs import pairs_array
 if TYPE_CHECKING:
     from .layout import KVLayout
 
+class _Geometry(NamedTuple):
+    moved: list
+    geometry: object
+    engine_block_bytes: int
+    sub_bytes: list
+    tensor_offsets: list
+
+
 MAX_STRETCHES = 16          # more consecutive pool spans than this: one gather/scatter via a temporary
 CHUNK_BYTES = 512 << 10     # temporary per gather/scatter step
 
 
 class BlockCopier:
     def __init__(self, layout: "KVLayout"):
-        self.layout = layout
+        # What it needs of the layout, not the layout itself: no reference cycle,
+        # so dropping a registration's layout unmaps its memory at once.
+        self.layout = _Geometry(layout.moved, layout.geometry, layout.engine_block_bytes,
+                                layout.sub_bytes, layout.tensor_offsets)
         # Blocks that are one contiguous byte run are copied as raw bytes.
         self.flat = [_byte_view(m) if m[0].is_contiguous() else None for m in layout.moved]
         self._storage = [_storage_numpy(m) for m in layout.moved] if layout.geometry is not None else None
