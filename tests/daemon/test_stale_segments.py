@@ -40,6 +40,7 @@ def test_segments_of_dead_non_clients_are_swept(process_daemon, tmp_path):
         p.join(60)
         assert p.exitcode == 0
         names.append(open(path).read().lstrip("/"))
+    # The daemon's periodic sweep removes them (any engine of this user starting a
+    # cache sweeps too, so with tests running in parallel it may be another one).
     assert wait_for(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in names), 10), names
-    assert "removed stale shared memory segment" in daemon.read_log()
     daemon.stats()  # and the daemon is fine
