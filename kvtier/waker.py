@@ -42,3 +42,34 @@ class Waker:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class Inbox:
+    """Results handed from worker threads to a poll loop: ``put`` queues one and
+    wakes the loop; the loop, woken on ``fd``, takes them all with ``take_all``."""
+
+    def __init__(self):
+        import queue
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._empty = queue.Empty
+        self._waker = Waker()
+
+    @property
+    def fd(self) -> int:
+        return self._waker.fd
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+        self._waker.wake()
+
+    def take_all(self) -> list:
+        self._waker.clear()  # before reading: a put racing with us leaves a wake-up behind
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except self._empty:
+                return out
+
+    def close(self) -> None:
+        self._waker.close()

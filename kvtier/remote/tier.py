@@ -36,7 +36,7 @@ from . import values as v
 from .breaker import CLOSED, OPEN, Breaker
 from .settings import RemoteSettings
 from .store import RedisStore, Unreachable
-from ..waker import Waker
+from ..waker import Inbox
 
 log = logging.getLogger("kvtier.remote")
 
@@ -70,8 +70,7 @@ class RemoteTier:
         self.window: deque = deque()        # (time, bytes) written in the last ttl_s, for the budget
         self.window_bytes = 0
         self._names: dict[str, v.NamespaceDigest] = {}
-        self._waker = Waker()
-        self._done: queue.Queue = queue.Queue()
+        self._done = Inbox()  # finished jobs; wakes the daemon's loop
         self._queues = {k: queue.Queue() for k in ("probe", "fetch", "write")}
         self._closing = threading.Event()
         self._threads = [threading.Thread(target=self._serve, args=(k,), name=f"kvtier-remote-{k}", daemon=True)
@@ -82,7 +81,7 @@ class RemoteTier:
     # ---- loop-thread API --------------------------------------------------------------
     @property
     def wakeup_fd(self) -> int:
-        return self._waker.fd
+        return self._done.fd
 
     def available(self) -> bool:
         with self.lock:
@@ -124,13 +123,7 @@ class RemoteTier:
         return True
 
     def completed(self) -> list[Job]:
-        self._waker.clear()
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return self._done.take_all()
 
     def stats(self) -> dict:
         s = self.settings
@@ -153,7 +146,7 @@ class RemoteTier:
             q.put(None)
         for t in self._threads:
             t.join(timeout=5 + 2 * self.settings.timeout_s)
-        self._waker.close()
+        self._done.close()
         if not any(t.is_alive() for t in self._threads):
             self.pool.release()  # the pool's owner may unmap it now
 
@@ -214,7 +207,6 @@ class RemoteTier:
 
     def _report(self, job: Job) -> None:
         self._done.put(job)
-        self._waker.wake()
 
     def _call(self, fn, *args):
         """Run one store call under the breaker; Unreachable opens it."""

@@ -16,14 +16,13 @@ import queue
 import threading
 from typing import Any, Callable
 
-from ..waker import Waker
+from ..waker import Inbox
 
 
 class CopyWorker:
     def __init__(self, threads: int = 1):
         self._jobs: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self._waker = Waker()
+        self._done = Inbox()
         self._pending = 0
         self._idle = threading.Condition()
         self._threads = [threading.Thread(target=self._run, name=f"kvtier-copy-{i}", daemon=True)
@@ -33,7 +32,7 @@ class CopyWorker:
 
     @property
     def wakeup_fd(self) -> int:
-        return self._waker.fd
+        return self._done.fd
 
     @property
     def pending(self) -> int:
@@ -45,13 +44,7 @@ class CopyWorker:
         self._jobs.put((token, fn))
 
     def completed(self) -> list[tuple[Any, BaseException | None]]:
-        self._waker.clear()
-        out = []
-        while True:
-            try:
-                out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return self._done.take_all()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every submitted job has run; True if none is left."""
@@ -63,7 +56,7 @@ class CopyWorker:
             self._jobs.put(None)
         for t in self._threads:
             t.join(timeout=10)
-        self._waker.close()
+        self._done.close()
 
     def _run(self) -> None:
         while (item := self._jobs.get()) is not None:
@@ -73,13 +66,13 @@ class CopyWorker:
                 fn()
             except BaseException as exc:  # reported to the requester as failed blocks
                 error = exc
-            self._done.put((token, error))
             # Drop this job's closure before reporting it done and before
             # blocking on the next one: it holds tensor views over the client's
             # memory (for a CUDA cache, the worker's GPU memory stays mapped),
             # which must not outlive the registration or a drain.
-            item = token = fn = error = None
+            item = fn = None
+            self._done.put((token, error))  # wakes the loop
+            token = error = None
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
-            self._waker.wake()
