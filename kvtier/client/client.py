@@ -105,7 +105,7 @@ class Client:
             welcome = self.channel.call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token),
                                         timeout=wait, connect_wait=wait)
             with self.channel.cv:
-                self.session.welcome(welcome)
+                self.session.welcome(welcome, self.socket_path)
             if self._register_args is not None:
                 self._reg = self.channel.call(m.Register(*self._register_args), timeout=wait)
                 self._open_mirror(self._reg.index)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import psutil
 
@@ -36,24 +37,31 @@ class Unsent(str):
 
 
 class DaemonProcess:
-    """The daemon's pid and start time, as told at HELLO (0: unknown, e.g. over TCP)."""
+    """The daemon as told at HELLO: its pid and start time (0: unknown, e.g. over
+    TCP), and the socket file it serves. It is gone once the process died, or
+    once that socket file was removed or replaced: a daemon removes it as the
+    last step of its shutdown, after every copy it ran had stopped (this also
+    covers a daemon embedded in a longer-lived process)."""
 
-    def __init__(self, pid: int = 0):
+    def __init__(self, pid: int = 0, socket_path: str = ""):
         self.pid, self.start = pid, None
         if pid > 0:
             try:
                 self.start = psutil.Process(pid).create_time()
             except (psutil.Error, ValueError, OverflowError):
                 self.pid = 0  # not visible from here (other pid namespace): unknown
+        self.socket_path, self.socket_id = socket_path, _file_id(socket_path)
 
     @property
     def known(self) -> bool:
         return self.pid > 0
 
     def gone(self) -> bool:
-        """True once the daemon process is confirmed dead (never for an unknown pid)."""
+        """True once the daemon is confirmed gone (never for an unknown pid)."""
         if not self.known:
             return False
+        if self.socket_id is not None and _file_id(self.socket_path) != self.socket_id:
+            return True
         try:
             p = psutil.Process(self.pid)
             return p.create_time() != self.start or p.status() == psutil.STATUS_ZOMBIE
@@ -61,6 +69,16 @@ class DaemonProcess:
             return True
         except psutil.Error:
             return False
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    if not path or path.startswith(("tcp://", "ipc://")):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class Session:
@@ -111,9 +129,9 @@ class Session:
         if req_id in self.waiting:
             self.replies.setdefault(req_id, reply)
 
-    def welcome(self, msg: m.Welcome) -> None:
+    def welcome(self, msg: m.Welcome, socket_path: str = "") -> None:
         self.client_id, self.heartbeat_s, self.max_message = msg.client_id, msg.heartbeat_s, msg.max_message
-        self.daemon = DaemonProcess(msg.daemon_pid)
+        self.daemon = DaemonProcess(msg.daemon_pid, socket_path)
 
     def transfers_waiting(self) -> set[int]:
         return self.transfers - set(self.replies)
