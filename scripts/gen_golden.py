@@ -33,7 +33,7 @@ OUT_DIR = os.path.join(ROOT, "protos", "golden")
 FP = "tiny-llama|float16|flashinfer|bs16|tp0of1"
 TOKENS = list(range(1000, 1048))          # three full blocks of 16 tokens
 HASHES = block_hashes(TOKENS, 16)
-SPEC = {"kind": "shm", "seg": "/kvtier-kv.4242.0.a1b2c3", "offset": 0, "dtype": "float16",
+SPEC = {"kind": "fd", "fd": 0, "offset": 0, "dtype": "float16",
         "shape": [32, 2, 16, 2, 32], "stride": [2048, 1024, 64, 32, 1], "block_dim": 0}
 U64_MAX = (1 << 64) - 1
 DIRECTION = {cls.TAG: "reply" for cls in (m.Welcome, m.Registered, m.Hits, m.HitsMany, m.TransferDone,
@@ -69,7 +69,8 @@ def messages() -> list[tuple[str, object, int]]:
         ("hello_defaults", m.Hello(1, 0), 2),
         ("hello_token", m.Hello(1, 4242, "engine-b", "s3cret"), 3),
         ("register", m.Register(FP, [SPEC], 1, -1), 4),
-        ("register_factor", m.Register(FP, [SPEC, {**SPEC, "offset": 131072}], 4, 1 << 30), 5),
+        ("register_factor", m.Register(FP, [SPEC, {**SPEC, "offset": 131072}], 4, 1 << 30,
+                                       "5f0e1d2c3b4a69788796a5b4c3d2e1f0"), 5),
         ("unregister", m.Unregister(1), 6),
         ("lookup", m.Lookup(1, h), 7),
         ("lookup_empty", m.Lookup(1, b""), 8),

@@ -26,6 +26,12 @@ def make_kv(shape=SHAPE, layers=LAYERS, dtype=torch.float16, seed=None):
     return kv
 
 
+def ticket_for(socket: str, kv) -> str:
+    """Hand ``kv``'s memory to the daemon (as a real client does before REGISTER)."""
+    from kvtier.client.handover import hand_over
+    return hand_over(socket, kv.fds())
+
+
 def block_bytes(kv, ids, dim=0):
     """Concatenated bytes of engine blocks ``ids`` across all layers (for equality)."""
     return [t.select(dim, i).clone() for i in ids for t in kv.tensors]

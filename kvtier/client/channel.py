@@ -24,6 +24,7 @@ from ..protocol import messages as m
 from ..protocol.endpoints import endpoint
 from ..waker import Waker
 from .errors import DaemonUnavailable, KVTierError
+from .handover import check_daemon_socket
 from .session import Session, Unsent
 
 
@@ -75,6 +76,7 @@ class Channel:
     def open(self) -> None:
         """A fresh socket (owner only)."""
         self.close_socket()
+        check_daemon_socket(self.path)  # before any token or memory goes to it
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there

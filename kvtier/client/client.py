@@ -29,6 +29,7 @@ from ..protocol.endpoints import default_socket
 from ..protocol.errors import ErrorCode
 from .channel import Channel
 from .errors import DaemonUnavailable, KVTierError
+from .handover import hand_over
 from .handles import TransferHandle, failed_all
 from .namespace import Namespace
 from .session import SESSION_LOST, Session
@@ -107,7 +108,7 @@ class Client:
             with self.channel.cv:
                 self.session.welcome(welcome, self.socket_path)
             if self._register_args is not None:
-                self._reg = self.channel.call(m.Register(*self._register_args), timeout=wait)
+                self._reg = self.channel.call(self._register_msg(self._register_args, wait), timeout=wait)
                 self._open_mirror(self._reg.index)
             self.session.healthy = True
 
@@ -193,12 +194,19 @@ class Client:
         fp = namespace.fingerprint() if isinstance(namespace, Namespace) else namespace
         args = (fp, kv.specs(list(block_dims)), block_factor, swap_quota)
         self.kv, self.block_factor = kv, block_factor
-        reg = self._degrade(lambda: self.channel.call(m.Register(*args)), None)
+        reg = self._degrade(lambda: self.channel.call(self._register_msg(args, self.timeout)), None)
         if reg is not None:
             self._reg = reg
             self._open_mirror(reg.index)
         self._register_args = args  # a refusal raised above: nothing to replay
         return self.registration
+
+    def _register_msg(self, args: tuple, timeout: float) -> m.Register:
+        """REGISTER for ``args``; CPU memory is handed over first (descriptors
+        over the side socket, never names) and the message carries the ticket."""
+        fds = self.kv.fds() if hasattr(self.kv, "fds") else []
+        ticket = hand_over(self.socket_path, fds, timeout) if fds else ""
+        return m.Register(*args, ticket=ticket)
 
     @property
     def registration(self) -> m.Registered | None:

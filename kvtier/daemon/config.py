@@ -8,7 +8,9 @@ Every key is named in errors so a bad config says what to fix.
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
+import pwd
 import tomllib
 from dataclasses import dataclass, field
 
@@ -65,6 +67,13 @@ class DaemonConfig:
     remote_budget: int = 0          # bytes this node may write per remote_ttl_s; 0 = no cap
     remote_queue: int = 256 * 2**20 # write-behind bytes in flight (capped at pool_size / 4)
     remote_timeout_s: float = 0.5   # per remote round trip; then the lookup/load goes on locally
+    tenants: str = ""               # users who share a cache: "team-a:alice,bob,1003; team-b:carol"
+    admin_group: str = ""           # group (name or gid) whose members may flush/see every tenant
+    max_connections: int = 256      # ZeroMQ connections at once (all users); more are closed
+    max_connections_per_user: int = 64
+    hello_deadline_s: float = 10.0  # a connection that has not said HELLO by then is closed
+    max_namespaces_per_user: int = 64  # per tenant; empty, unregistered namespaces are forgotten
+    max_copy_pieces: int = 1 << 20  # separate copies one transfer may cost (~2 us each): blocks x tensors
 
     def __post_init__(self):
         def bad(key, why):
@@ -115,6 +124,18 @@ class DaemonConfig:
             bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
         if self.log_format not in ("text", "json"):
             bad("log_format", "must be text or json")
+        try:
+            parse_tenants(self.tenants)
+        except ValueError as exc:
+            bad("tenants", str(exc))
+        if self.admin_group and admin_gid(self.admin_group) is None:
+            bad("admin_group", f"no group {self.admin_group!r}")
+        for key, lo, hi in (("max_connections", 1, 1 << 20), ("max_connections_per_user", 1, 1 << 20),
+                            ("max_namespaces_per_user", 1, 4096), ("max_copy_pieces", 1, 1 << 30)):
+            if not isinstance(getattr(self, key), int) or not lo <= getattr(self, key) <= hi:
+                bad(key, f"must be an int in [{lo}, {hi}]")
+        if not 0 < self.hello_deadline_s <= MAX_PERIOD_S:
+            bad("hello_deadline_s", f"must be > 0 and at most {MAX_PERIOD_S:.0f} seconds")
         if self.metrics and metrics_address(self.metrics) is None:
             bad("metrics", "must look like HOST:PORT, e.g. 127.0.0.1:9464 (\"\" = off)")
 
@@ -134,6 +155,41 @@ class DaemonConfig:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def parse_tenants(value: str) -> dict[int, str]:
+    """``"team-a:alice,bob,1003; team-b:carol"`` -> {uid: tenant name}. Users
+    listed nowhere are each their own tenant."""
+    out: dict[int, str] = {}
+    for part in filter(None, (p.strip() for p in value.split(";"))):
+        name, sep, users = part.partition(":")
+        name = name.strip()
+        if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"{part!r}: expected NAME:USER[,USER...] (NAME letters, digits, - and _)")
+        for user in filter(None, (u.strip() for u in users.split(","))):
+            uid = _uid(user)
+            if uid in out:
+                raise ValueError(f"user {user!r} is in two tenants")
+            out[uid] = name
+    return out
+
+
+def _uid(user: str) -> int:
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise ValueError(f"no user {user!r}") from None
+
+
+def admin_gid(group: str) -> int | None:
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
 
 
 def metrics_address(value: str) -> tuple[str, int] | None:

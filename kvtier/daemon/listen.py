@@ -1,8 +1,10 @@
 """The daemon's sockets: the lock that makes it the only daemon on a path,
 the ROUTER clients connect to, and the optional event PUB socket.
 
-Primitives: ``take_socket_lock(path) -> fd | None``, ``Listener(config)``
-with ``.router``, ``.pub``, ``.send(identity, req_id, msg)``, ``.close()``.
+Primitives: ``take_socket_lock(path) -> fd | None``, ``check_socket_dir``,
+``remove_our_socket``, ``Listener(config)`` with ``.router``, ``.pub``,
+``.handover`` (descriptor hand-over, None for URL endpoints),
+``.send(identity, req_id, msg)``, ``.close()``.
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ import fcntl
 import grp
 import logging
 import os
+import stat
 
 import zmq
 
 from ..protocol.codec import encode
 from ..protocol.endpoints import endpoint
 from .config import DaemonConfig
+from .handover import Handover
+
+HANDOVER_SUFFIX = ".fd"  # the hand-over socket lives next to the ZeroMQ socket
 
 log = logging.getLogger("kvtier.daemon")
 FINAL_REPLY_LINGER_MS = 1000  # at exit, give queued final replies this long to leave
@@ -36,18 +42,57 @@ class UnfitConfig(StartupError):
 
 
 def take_socket_lock(path: str) -> int | None:
-    """Hold ``PATH.lock`` for the daemon's life (None for tcp:// and ipc:// URLs)."""
+    """Hold ``PATH.lock`` for the daemon's life (None for tcp:// and ipc:// URLs).
+
+    The directory must be ours (or root's) and closed to writes by others,
+    or whoever can write there could swap our socket for theirs; the lock
+    file is opened without following links and its mode set on the open file."""
     if path.startswith(("tcp://", "ipc://")):
         return None
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, mode=0o750, exist_ok=True)
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    check_socket_dir(os.path.dirname(os.path.abspath(path)))
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # ELOOP: a symlink planted where the lock goes
+        raise StartupError(f"lock file {path}.lock: {exc.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise StartupError(f"lock file {path}.lock is not a regular file of ours; remove it")
+    os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise StartupError(f"another kvtier-daemon is serving {path}") from None
     return fd
+
+
+def check_socket_dir(d: str) -> None:
+    """Create ``d`` (0750) if missing; refuse one we do not own or others may write to."""
+    try:
+        os.makedirs(d, mode=0o750, exist_ok=True)
+        st = os.lstat(d)
+    except OSError as exc:
+        raise StartupError(f"socket directory {d}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartupError(f"socket directory {d} is not a directory (a link?)")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise StartupError(f"socket directory {d} belongs to uid {st.st_uid}, not to the daemon's user "
+                           f"(uid {os.geteuid()}): someone else could swap the socket")
+    if st.st_mode & 0o022:
+        raise StartupError(f"socket directory {d} is writable by group or others (mode "
+                           f"{stat.S_IMODE(st.st_mode):o}): someone else could swap the socket")
+
+
+def remove_our_socket(path: str) -> None:
+    """Unlink a stale socket we left (we hold the lock) - and nothing else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise StartupError(f"{path} exists and is not a socket of ours; refusing to remove it")
+    os.unlink(path)
 
 
 class Listener:
@@ -58,21 +103,26 @@ class Listener:
         self.router.setsockopt(zmq.SNDHWM, 100_000)
         self.router.setsockopt(zmq.RCVHWM, 100_000)
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message)  # hard backstop
-        if owns_path and os.path.exists(config.socket):
-            os.unlink(config.socket)  # we hold the lock: the old daemon is gone
+        if owns_path:  # we hold the lock: the old daemon is gone
+            remove_our_socket(config.socket)
+            remove_our_socket(config.socket + HANDOVER_SUFFIX)
         old = os.umask(0o777 & ~config.socket_mode)
         try:
             self.router.bind(endpoint(config.socket))
         finally:
             os.umask(old)
+        self.handover = None
         if owns_path:
             os.chmod(config.socket, config.socket_mode)
+            gid = None
             if config.socket_group:
                 try:
-                    os.chown(config.socket, -1, grp.getgrnam(config.socket_group).gr_gid)
+                    gid = grp.getgrnam(config.socket_group).gr_gid
+                    os.chown(config.socket, -1, gid)
                 except (KeyError, PermissionError) as exc:
                     self.close()
                     raise StartupError(f"socket_group {config.socket_group!r}: {exc}") from None
+            self.handover = Handover(config.socket + HANDOVER_SUFFIX, config.socket_mode, gid)
         if config.tcp:
             self.router.bind(config.tcp)
         self.pub = None
@@ -88,6 +138,8 @@ class Listener:
             log.warning("reply dropped: %s", exc)
 
     def close(self) -> None:
+        if self.handover is not None:
+            self.handover.close()
         # Final replies (drained transfers) may still sit in the queue: let them leave.
         self.router.close(FINAL_REPLY_LINGER_MS)
         if self.pub is not None:

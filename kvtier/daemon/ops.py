@@ -26,7 +26,7 @@ import numpy as np
 from ..pool.index import BlockIndex, LoadPlan, StorePlan
 from ..pool.swap import SwapRecord, SwapTable
 from ..protocol import messages as m
-from ..protocol.arrays import pack_ids, unpack_hashes, unpack_ids
+from ..protocol.arrays import HASH_BYTES, pack_ids, unpack_hashes, unpack_ids
 from ..protocol.errors import ErrorCode
 from .state import ClientState, DaemonError, Registration
 
@@ -184,7 +184,10 @@ class RestoreOp(CopyOp):
 
     @classmethod
     def prepare(cls, swap: SwapTable, client: ClientState, reg: Registration, request_id: int, msg: m.Restore):
+        if len(msg.blocks) > 4 * MAX_BLOCKS_PER_OP:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many block ids")
         ids = unpack_ids(msg.blocks)
+        check_pieces(reg, len(ids))
         rec = swap.records.get((client.id, msg.request))
         if rec is None or rec.ns is not reg.ns:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"no swapped request {msg.request[:64]!r}")
@@ -223,14 +226,26 @@ def check_fence(reg: Registration, event: bytes) -> bytes:
 
 
 def check_keys(hashes: bytes) -> list[bytes]:
-    keys = unpack_hashes(hashes)
-    if len(keys) > MAX_BLOCKS_PER_OP:
+    # Checked on the packed length: a 1M-hash lookup is refused before it becomes 1M objects.
+    if len(hashes) > MAX_BLOCKS_PER_OP * HASH_BYTES:
         raise DaemonError(ErrorCode.BAD_ARGUMENT, f"at most {MAX_BLOCKS_PER_OP} blocks per call")
-    return keys
+    return unpack_hashes(hashes)
+
+
+def check_pieces(reg: Registration, engine_blocks: int) -> None:
+    """The copy thread's cost is per piece (one copy call per tensor per engine
+    block), not per byte: 4,096 aliased 1-byte tensors cost 4,096 calls a block."""
+    pieces = engine_blocks * len(reg.layout.moved)
+    if pieces > reg.max_copy_pieces:
+        raise DaemonError(ErrorCode.BAD_ARGUMENT, f"this transfer costs {pieces} separate copies "
+                          f"(max {reg.max_copy_pieces}); send fewer blocks per call")
 
 
 def check_ids(reg: Registration, blocks: bytes, expected: int) -> np.ndarray:
+    if len(blocks) > 4 * MAX_BLOCKS_PER_OP * reg.layout.block_factor:  # before unpacking anything
+        raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many block ids")
     ids = unpack_ids(blocks)
+    check_pieces(reg, len(ids))
     if len(ids) != expected:
         raise DaemonError(ErrorCode.BAD_ARGUMENT, f"expected {expected} block ids, got {len(ids)}")
     why = reg.layout.check_ids(ids)
@@ -242,7 +257,7 @@ def check_ids(reg: Registration, blocks: bytes, expected: int) -> np.ndarray:
 def swap_requests(reg: Registration, requests: list) -> list[tuple[str, np.ndarray]]:
     if not 0 < len(requests) <= MAX_SWAP_REQUESTS:
         raise DaemonError(ErrorCode.BAD_ARGUMENT, f"requests must hold 1..{MAX_SWAP_REQUESTS} entries")
-    out, seen = [], set()
+    out, seen, total = [], set(), 0
     for i, item in enumerate(requests):
         if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
                 or not isinstance(item[1], bytes) or not 0 < len(item[0]) <= 256):
@@ -250,11 +265,15 @@ def swap_requests(reg: Registration, requests: list) -> list[tuple[str, np.ndarr
         if item[0] in seen:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"request {item[0][:64]!r} listed twice")
         seen.add(item[0])
+        if not 0 < len(item[1]) <= 4 * MAX_BLOCKS_PER_OP:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"requests[{i}] needs 1..{MAX_BLOCKS_PER_OP} blocks")
         ids = unpack_ids(item[1])
         if not 0 < len(ids) <= MAX_BLOCKS_PER_OP:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"requests[{i}] needs 1..{MAX_BLOCKS_PER_OP} blocks")
         why = reg.layout.check_ids(ids)
         if why:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"requests[{i}]: {why}")
+        total += len(ids)
         out.append((item[0], ids))
+    check_pieces(reg, total)
     return out

@@ -23,6 +23,7 @@ from ..protocol.arrays import HASH_BYTES, pack_ids
 from .ops import MAX_BLOCKS_PER_OP, LoadOp, OffloadOp, RestoreOp, StoreOp, check_keys
 from .sessions import Sessions
 from .state import ClientState, DaemonError
+from .tenancy import split_key
 
 log = logging.getLogger("kvtier.daemon")
 MAX_CHAINS = 4096
@@ -35,7 +36,7 @@ and BYE are still served so clients can tell "draining" from "gone"."""
 
 class RequestHandlers:
     def __init__(self, sessions: Sessions, copies: CopyRunner, index: BlockIndex, swap: SwapTable,
-                 stats: Callable[[], dict], remote=None):
+                 stats: Callable[[ClientState], dict], remote=None):
         self.sessions, self.copies, self.index, self.swap = sessions, copies, index, swap
         self.stats = stats
         self.remote = remote  # RemoteBridge, or None
@@ -49,8 +50,8 @@ class RequestHandlers:
         assert set(self.table) == m.REQUESTS, "every request needs a handler"
 
     # ---- session ----------------------------------------------------------------------
-    def hello(self, client, msg: m.Hello, identity: bytes, req_id: int):
-        return self.sessions.hello(identity, msg)
+    def hello(self, client, msg: m.Hello, identity: bytes, req_id: int, peer=None):
+        return self.sessions.hello(identity, msg, peer)
 
     def ping(self, client, msg, identity, req_id):
         return m.Ok()
@@ -133,9 +134,9 @@ class RequestHandlers:
         return m.Ok()
 
     # ---- management --------------------------------------------------------------------
-    def stats_request(self, client, msg: m.Stats, identity, req_id):
-        stats = self.stats()
-        if msg.check:
+    def stats_request(self, client: ClientState, msg: m.Stats, identity, req_id):
+        stats = self.stats(client)
+        if msg.check and client.admin:  # O(blocks): not for every tenant to trigger
             try:
                 self.index.check_integrity()
                 self.swap.check_integrity()
@@ -145,12 +146,20 @@ class RequestHandlers:
                 stats["integrity"] = str(exc)
         return m.StatsReply(stats)
 
-    def flush(self, client, msg: m.Flush, identity, req_id):
-        ns = None
-        if msg.namespace:
-            ns = self.index.namespaces.get(msg.namespace)
-            if ns is None:
-                raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"no namespace {msg.namespace!r}")
-        removed = self.index.flush(ns)
-        log.info("flush %s: %d blocks removed", msg.namespace or "(all)", removed)
+    def flush(self, client: ClientState, msg: m.Flush, identity, req_id):
+        """A tenant flushes its own namespaces; an admin any (every tenant's
+        namespace with that fingerprint, or everything)."""
+        if len(msg.namespace) > 1024:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, "namespace fingerprint must be 0..1024 chars")
+        targets = [ns for key, ns in self.index.namespaces.items()
+                   if (client.admin or split_key(key)[0] == client.tenant)
+                   and (not msg.namespace or split_key(key)[1] == msg.namespace)]
+        if msg.namespace and not targets:
+            raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"no namespace {msg.namespace[:64]!r}")
+        if not msg.namespace and client.admin:
+            removed = self.index.flush(None)
+        else:
+            removed = sum(self.index.flush(ns) for ns in targets)
+        log.info("client %d (tenant %s) flushed %s: %d blocks removed", client.id, client.tenant,
+                 msg.namespace[:64] or "(all)", removed)
         return m.Flushed(removed)

@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import time
 from collections import Counter
 
@@ -45,18 +46,19 @@ from ..pool.swap import SwapTable
 from ..protocol import messages as m
 from ..protocol.codec import decode
 from ..protocol.errors import ErrorCode, ProtocolError, side_of
-from ..transfer.shm import KV_PREFIX
 from ..waker import Waker
 from .config import DaemonConfig
 from .copies import CopyRunner
 from .housekeeping import Housekeeping
+from .listen import HANDOVER_SUFFIX, Listener, StartupError, UnfitConfig, remove_our_socket, take_socket_lock
 from .lookup_index import STALE_PREFIX as INDEX_PREFIX
 from .lookup_index import LookupIndexes
-from .listen import Listener, StartupError, UnfitConfig, take_socket_lock
+from .peers import peer_of_fd
 from .requests import REFUSED_WHILE_DRAINING, RequestHandlers
 from .sessions import Sessions
 from .state import DaemonError
 from .stats import daemon_stats
+from .tenancy import split_key
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
@@ -77,7 +79,7 @@ class Daemon:
         self._closed = False
         self._lock_fd = take_socket_lock(config.socket)
         self.notifier.status("removing stale shared memory")
-        for prefix in (POOL_PREFIX, KV_PREFIX, INDEX_PREFIX):
+        for prefix in (POOL_PREFIX, INDEX_PREFIX):
             cleanup_stale(prefix)
         self._check_ram(config)
         n = next(_instances)  # a second daemon in one process (tests) needs its own name
@@ -102,7 +104,7 @@ class Daemon:
                                  lambda: self.config, self.listener.send, Sessions.release_if_idle,
                                  self.counters, self.errors, self.housekeeping.latency)
         self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.copies.cancel,
-                                 self.counters, self.gpu, self.lookup_indexes)
+                                 self.counters, self.gpu, self.listener.handover, self.lookup_indexes)
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
         self.remote = self._start_remote(config)
         if self.remote is not None:
@@ -121,8 +123,9 @@ class Daemon:
     def config(self) -> DaemonConfig:
         return self.housekeeping.config  # replaced whole on SIGHUP
 
-    def stats(self) -> dict:
-        return daemon_stats(self)
+    def stats(self, viewer=None) -> dict:
+        """The stats document as ``viewer`` (a client; None: the operator) may see it."""
+        return daemon_stats(self, viewer)
 
     # ---- startup ------------------------------------------------------------------
     @staticmethod
@@ -200,9 +203,11 @@ class Daemon:
         poller.register(self.signals.fd, zmq.POLLIN)
         if self.remote is not None:  # probes, fetches and write-behind report here
             poller.register(self.remote.wakeup_fd, zmq.POLLIN)
+        handover = self.listener.handover
+        polled: set[int] = set()  # hand-over descriptors in the poller (they come and go)
         if ready:
             ready()
-        next_reap = next_sweep = time.monotonic()
+        next_reap = time.monotonic()
         drain_deadline = None
         try:
             while True:
@@ -221,12 +226,17 @@ class Daemon:
                             log.error("%d copies did not stop; exiting anyway", self.copies.pending)
                             break
                 timeout = min(max(0.0, next_reap - now), self._tick(), 0.25 if self.stopping else 60.0)
+                if handover is not None:
+                    polled = _sync_poller(poller, polled, handover.poll_fds())
                 events = dict(poller.poll(timeout * 1000))
                 try:
                     if self.signals.fd in events:
                         self.signals.clear()
                     if self.listener.router in events:
                         self._read_requests()
+                    if handover is not None:
+                        for fd in polled.intersection(events):
+                            handover.on_ready(fd)
                     if self.copies.wakeup_fd in events:
                         self.copies.finish_completed()
                     if self.remote is not None and self.remote.wakeup_fd in events:
@@ -234,11 +244,8 @@ class Daemon:
                     if time.monotonic() >= next_reap:
                         next_reap = time.monotonic() + self.config.reap_interval_s
                         self.sessions.reap_dead()
-                    if time.monotonic() >= next_sweep:
-                        # KV segments of workers that died before HELLO or after BYE (or exited
-                        # without closing their cache): no reap ever unlinks those.
-                        next_sweep = time.monotonic() + max(10 * self.config.reap_interval_s, 1.0)
-                        cleanup_stale(KV_PREFIX)
+                        if handover is not None:
+                            handover.expire(time.monotonic())
                     self._publish_events()
                 except Exception:  # a bug must not take every engine's cache down with it
                     log.exception("internal error in the daemon loop; continuing")
@@ -258,20 +265,21 @@ class Daemon:
         router = self.listener.router
         for _ in range(256):  # bounded batch so completions and reaping stay timely
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:
                 self.errors[ErrorCode.BAD_MESSAGE.name] += 1
                 log.warning("dropped message with %d frames (expected identity + 1)", len(frames))
                 if len(frames) > 2:
-                    self.listener.send(frames[0], 0, m.Error(ErrorCode.BAD_MESSAGE, "expected exactly one frame",
-                                                             "client"))
+                    self.listener.send(frames[0].bytes, 0, m.Error(ErrorCode.BAD_MESSAGE,
+                                                                   "expected exactly one frame", "client"))
                 continue
-            self.handle(frames[0], frames[1])
+            self.handle(frames[0].bytes, frames[1].bytes, frames)
 
-    def handle(self, identity: bytes, frame: bytes) -> None:
-        """The one dispatch point: every request gets a reply or an error."""
+    def handle(self, identity: bytes, frame: bytes, frames=()) -> None:
+        """The one dispatch point: every request gets a reply or an error.
+        ``frames``: the received zmq frames (which connection sent a HELLO)."""
         req_id = 0
         client = self.sessions.clients.get(identity)
         try:
@@ -284,15 +292,18 @@ class Daemon:
             kind = type(msg)
             if kind not in m.REQUESTS:
                 raise DaemonError(ErrorCode.UNKNOWN_OP, f"{msg.TAG!r} is not a request")
-            # PING needs a session: its NOT_CONNECTED answer tells a forgotten client to reconnect.
-            # STATS is served without a session only when no token guards the daemon.
-            if client is None and not (kind is m.Hello or (kind is m.Stats and not self.config.token)):
+            # Nothing but HELLO before HELLO: PING's NOT_CONNECTED answer tells a forgotten
+            # client to reconnect; stats and flush need to know who asks.
+            if client is None and kind is not m.Hello:
                 raise DaemonError(ErrorCode.NOT_CONNECTED, "say HELLO first")
             if self.stopping and kind in REFUSED_WHILE_DRAINING:
                 raise DaemonError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
             if client is not None:
                 client.last_seen = time.monotonic()
-            reply = self.handlers.table[kind](client, msg, identity, req_id)
+            if kind is m.Hello:
+                reply = self.handlers.hello(client, msg, identity, req_id, self._peer(_srcfd(frames)))
+            else:
+                reply = self.handlers.table[kind](client, msg, identity, req_id)
         except (ProtocolError, DaemonError) as exc:
             reply = self._error(exc.code, exc.message, client)
         except Exception as exc:  # a bug: answer, log, keep serving
@@ -300,6 +311,28 @@ class Daemon:
             reply = self._error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", client)
         if reply is not None:
             self.listener.send(identity, req_id, reply)
+
+    def _peer(self, srcfd: int):
+        """Kernel credentials of a local (Unix socket) connection; None for TCP.
+        A local connection that cannot be identified (already gone) is refused."""
+        if self.config.socket.startswith(("tcp://", "ipc://")) or srcfd is None or srcfd < 0:
+            peer = None
+        else:
+            peer = peer_of_fd(srcfd, self.config.socket)
+        if peer is None and not self._remote(srcfd):
+            raise DaemonError(ErrorCode.UNAUTHORIZED, "cannot identify this connection's process")
+        return peer
+
+    def _remote(self, srcfd: int) -> bool:
+        """True for a frame from the TCP endpoint (or a URL socket, where no
+        kernel credentials exist); those sessions are anonymous."""
+        if self.config.socket.startswith(("tcp://", "ipc://")):
+            return True
+        try:
+            with socket.socket(fileno=os.dup(srcfd)) as s:
+                return s.family in (socket.AF_INET, socket.AF_INET6)
+        except OSError:
+            return False
 
     def _error(self, code: ErrorCode, message: str, client) -> m.Error:
         self.errors[code.name] += 1
@@ -316,9 +349,12 @@ class Daemon:
             by_ns.setdefault(ns, []).append((kind, key))
         for ns, items in by_ns.items():
             self.event_seq += 1
-            body = {"seq": self.event_seq, "ts": time.time(), "events": [[kind, key] for kind, key in items]}
+            tenant, fingerprint = split_key(ns)  # topic: the engine's fingerprint; body says whose
+            body = {"seq": self.event_seq, "ts": time.time(), "tenant": tenant,
+                    "events": [[kind, key] for kind, key in items]}
             try:
-                self.listener.pub.send_multipart([ns.encode(), msgpack.packb(body, use_bin_type=True)], zmq.NOBLOCK)
+                self.listener.pub.send_multipart([fingerprint.encode(), msgpack.packb(body, use_bin_type=True)],
+                                                 zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
 
@@ -351,11 +387,34 @@ class Daemon:
         except BufferError:
             unlink_segment(self.pool_name)
         if self._lock_fd is not None:
-            try:
-                os.unlink(self.config.socket)
-            except FileNotFoundError:
-                pass
+            for path in (self.config.socket, self.config.socket + HANDOVER_SUFFIX):
+                try:
+                    remove_our_socket(path)
+                except (OSError, StartupError) as exc:
+                    log.error("leaving %s: %s", path, exc)
             os.close(self._lock_fd)
         if getattr(self, "signals", None) is not None:
             self.signals.close()
         log.info("kvtier-daemon stopped")
+
+
+def _sync_poller(poller: zmq.Poller, polled: set[int], fds: list[int]) -> set[int]:
+    """Make the poller watch exactly ``fds`` of the hand-over socket."""
+    want = set(fds)
+    for fd in polled - want:
+        poller.unregister(fd)
+    for fd in want - polled:
+        poller.register(fd, zmq.POLLIN)
+    return want
+
+
+def _srcfd(frames) -> int:
+    """The connection a message came in on (-1 if libzmq cannot say)."""
+    for frame in frames:
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:  # EINVAL for some frame kinds (e.g. empty ones)
+            continue
+        if fd >= 0:
+            return fd
+    return -1

@@ -21,15 +21,15 @@ from collections import Counter
 from typing import Callable
 
 from ..pool.index import BlockIndex
-from ..pool.segment import pid_of, unlink_segment
 from ..pool.swap import SwapTable
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from ..transfer.layout import KVLayout
 from ..transfer.mapping import open_specs
-from ..transfer.shm import KV_PREFIX
 from ..transfer.specs import SpecError
 from .config import DaemonConfig
+from .peers import Peer
+from .tenancy import identify, ns_key
 from .state import ClientState, DaemonError, Registration, process_start
 
 log = logging.getLogger("kvtier.daemon")
@@ -38,14 +38,17 @@ MAX_REGISTRATIONS = 64
 
 class Sessions:
     def __init__(self, settings: Callable[[], DaemonConfig], index: BlockIndex, swap: SwapTable,
-                 cancel: Callable[[object, str], None], counters: Counter, gpu=None, lookup_indexes=None):
+                 cancel: Callable[[object, str], None], counters: Counter, gpu=None, handover=None,
+                 lookup_indexes=None):
         self.settings, self.index, self.swap, self.cancel = settings, index, swap, cancel
-        self.counters, self.gpu, self.lookup_indexes = counters, gpu, lookup_indexes
+        self.counters, self.gpu, self.handover, self.lookup_indexes = counters, gpu, handover, lookup_indexes
         self.clients: dict[bytes, ClientState] = {}
         self._next_client = self._next_reg = 0
 
     # ---- HELLO / BYE -------------------------------------------------------------------
-    def hello(self, identity: bytes, msg: m.Hello) -> m.Welcome:
+    def hello(self, identity: bytes, msg: m.Hello, peer: Peer | None = None) -> m.Welcome:
+        """``peer``: the kernel's credentials of the connection (None: remote/TCP).
+        A local session's pid is the kernel's; the pid in HELLO is ignored then."""
         config = self.settings()
         if msg.version != m.PROTOCOL_VERSION:
             raise DaemonError(ErrorCode.VERSION_MISMATCH, f"client speaks v{msg.version}, daemon v{m.PROTOCOL_VERSION}")
@@ -54,31 +57,62 @@ class Sessions:
         old = self.clients.get(identity)
         if old is not None:  # HELLO again on the same connection: start over
             self.reap(old, "re-hello")
-        # pid <= 0: a remote (TCP) client; only its heartbeat proves it alive.
-        start = process_start(msg.pid) if msg.pid > 0 else None
+        # No peer: a remote (TCP) client (pid 0); only its heartbeat proves it alive.
+        pid = peer.pid if peer is not None else 0
+        if peer is not None and msg.pid not in (0, pid):
+            log.info("HELLO says pid %d, the kernel says %d; using the kernel's", msg.pid, pid)
+        start = process_start(pid) if pid > 0 else None
+        tenant, admin = identify(peer, config)
         self._next_client += 1
-        c = ClientState(self._next_client, identity, msg.pid, msg.name[:128], start, swap_quota=config.swap_quota)
+        c = ClientState(self._next_client, identity, pid, msg.name[:128], start, swap_quota=config.swap_quota,
+                        peer=peer, tenant=tenant, admin=admin)
         self.clients[identity] = c
-        log.info("client %d connected: pid=%d name=%r", c.id, c.pid, c.name)
+        log.info("client %d connected: pid=%d uid=%s tenant=%s%s name=%r", c.id, c.pid, c.uid, tenant,
+                 " (admin)" if admin else "", c.name)
         return m.Welcome(m.PROTOCOL_VERSION, c.id, config.heartbeat_s, config.max_message, os.getpid())
 
     # ---- registrations -----------------------------------------------------------------
     def register(self, client: ClientState, msg: m.Register) -> m.Registered:
+        """The ticket is used up first, whatever happens next (refused tickets
+        must not pile up); its descriptors are closed once the memory is mapped."""
+        ticket = None
+        if msg.ticket:
+            ticket = self.handover.take(msg.ticket, client.peer) if self.handover else "no hand-over socket"
+            if isinstance(ticket, str):
+                raise DaemonError(ErrorCode.UNAUTHORIZED, ticket)
+        try:
+            return self._register(client, msg, ticket.fds if ticket is not None else [])
+        finally:
+            if ticket is not None:
+                ticket.close()
+
+    def _register(self, client: ClientState, msg: m.Register, fds: list[int]) -> m.Registered:
+        config = self.settings()
         if not 0 < len(msg.namespace) <= 1024:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "namespace fingerprint must be 1..1024 chars")
         if not 1 <= msg.block_factor <= 1024:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "block_factor must be in [1, 1024]")
         if len(client.regs) >= MAX_REGISTRATIONS:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many registrations for one client")
+        if client.peer is None:
+            raise DaemonError(ErrorCode.UNAUTHORIZED, "only local, kernel-identified clients may register memory")
+        key = ns_key(client.tenant, msg.namespace)
+        if key not in self.index.namespaces and self._tenant_namespaces(client.tenant) >= config.max_namespaces_per_user:
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"tenant {client.tenant} has {config.max_namespaces_per_user} "
+                              "namespaces already (max_namespaces_per_user)")
         try:
-            tensors, dims, segments = open_specs(msg.tensors, gpu_uuids=self.gpu.uuids if self.gpu else None)
+            tensors, dims, segments = open_specs(msg.tensors, fds, gpu_uuids=self.gpu.uuids if self.gpu else None)
         except SpecError as exc:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
         device = getattr(segments[0], "gpu_device", None)  # set only on CUDA mappings
         error = None
         try:
             layout = KVLayout(tensors, dims, msg.block_factor)
-            ns = self.index.namespace(msg.namespace, layout.block_bytes)
+            pieces = layout.block_factor * len(tensors)  # separate copies per kvtier block, at worst
+            if pieces > config.max_copy_pieces:
+                raise ValueError(f"one block costs {pieces} separate copies "
+                                 f"(max_copy_pieces {config.max_copy_pieces}); register fewer or larger tensors")
+            ns = self.index.namespace(key, layout.block_bytes)
             copier = self.gpu.engine(layout, device) if device is not None else None
         except (ValueError, RuntimeError) as exc:  # RuntimeError: CUDA refused the stream/event
             error = (ErrorCode.BAD_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL, str(exc))
@@ -89,12 +123,13 @@ class Sessions:
                 seg.close()
             raise DaemonError(*error)
         self._next_reg += 1
-        reg = Registration(self._next_reg, client, ns, layout, segments, copier)
+        reg = Registration(self._next_reg, client, ns, layout, segments, copier,
+                           max_copy_pieces=config.max_copy_pieces)
         client.regs[reg.id] = reg
-        if msg.swap_quota >= 0:
-            client.swap_quota = msg.swap_quota
+        if msg.swap_quota >= 0:  # a client may lower its quota, never raise it past the operator's
+            client.swap_quota = min(msg.swap_quota, config.swap_quota) if config.swap_quota else msg.swap_quota
         log.info("client %d registered cache %d: namespace=%r block=%d bytes x %d blocks",
-                 client.id, reg.id, ns.fingerprint, layout.block_bytes, layout.num_blocks)
+                 client.id, reg.id, msg.namespace, layout.block_bytes, layout.num_blocks)
         mirror = self.lookup_indexes.segment_for(ns) if self.lookup_indexes is not None else ""
         return m.Registered(reg.id, ns.id, layout.block_bytes, layout.num_blocks, mirror)
 
@@ -124,6 +159,20 @@ class Sessions:
                 log.error("segment %s still has live views; leaving it mapped", seg.name)
         reg.segments = []
 
+    def _tenant_namespaces(self, tenant: str) -> int:
+        prefix = ns_key(tenant, "")
+        return sum(1 for k in self.index.namespaces if k.startswith(prefix))
+
+    def forget_idle_namespaces(self) -> int:
+        """Drop namespaces with no blocks, no registration and no swap, so a
+        tenant's namespace budget counts only what it really uses."""
+        used = {reg.ns for c in self.clients.values() for reg in c.regs.values()}
+        used.update(rec.ns for rec in self.swap.records.values())
+        idle = [k for k, ns in self.index.namespaces.items() if not ns.entries and ns not in used]
+        for k in idle:
+            del self.index.namespaces[k]
+        return len(idle)
+
     # ---- reaping -------------------------------------------------------------------------
     def reap_dead(self) -> None:
         now, limit = time.monotonic(), self.settings().reap_after_s
@@ -136,6 +185,7 @@ class Sessions:
             except Exception:  # one odd entry must not stop every other client's reaping
                 log.exception("reaping client %d failed; dropping it", c.id)
                 self.clients.pop(c.identity, None)
+        self.forget_idle_namespaces()
 
     def reap(self, c: ClientState, why: str) -> None:
         """Forget a client: cancel its copies, free its swap, close its caches."""
@@ -151,12 +201,3 @@ class Sessions:
         self.counters["reaped"] += why not in ("bye", "re-hello")
         log.info("client %d (pid %d) %s: released %d caches", c.id, c.pid,
                  "disconnected" if why == "bye" else f"reaped ({why})", caches)
-        if why == "process exited":
-            unlink_segments_of(c.pid)
-
-
-def unlink_segments_of(pid: int) -> None:
-    """A dead worker's KV segments: nobody else will ever unlink them."""
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(KV_PREFIX) and pid_of(name[len(KV_PREFIX) - 1:]) == pid:
-            unlink_segment("/" + name)

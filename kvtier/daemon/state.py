@@ -13,6 +13,9 @@ from ..protocol.errors import ErrorCode
 from ..transfer.layout import KVLayout
 
 
+MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT: anything above is no process
+
+
 class DaemonError(Exception):
     """An expected failure answered with a typed error reply."""
 
@@ -23,6 +26,8 @@ class DaemonError(Exception):
 
 def process_start(pid: int) -> float | None:
     """Creation time of ``pid`` (guards against pid reuse), None if unknown."""
+    if not 0 < pid < MAX_PID:
+        return None
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, ValueError, OverflowError):
@@ -41,8 +46,17 @@ class ClientState:
     regs: dict = field(default_factory=dict)
     ops: dict = field(default_factory=dict)   # request id -> CopyOp in flight
     swap_quota: int = 0               # bytes; 0 = only the pool-wide swap cap applies
+    peer: Any = None                  # kernel credentials (peers.Peer); None: remote (TCP)
+    tenant: str = "remote"            # who owns the namespaces this client creates
+    admin: bool = False               # may flush and see every tenant
+
+    @property
+    def uid(self) -> int | None:
+        return self.peer.uid if self.peer is not None else None
 
     def process_alive(self) -> bool:
+        if not 0 <= self.pid < MAX_PID:
+            return False
         if self.start_time is None:
             # Remote clients (pid <= 0): the heartbeat decides. A local pid that was
             # already gone at HELLO (killed with its HELLO in flight) is dead now.
@@ -50,7 +64,7 @@ class ClientState:
         try:
             p = psutil.Process(self.pid)
             return p.create_time() == self.start_time and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
+        except (psutil.Error, ValueError, OverflowError):
             return False
 
 
@@ -64,3 +78,4 @@ class Registration:
     copier: Any = None                 # CudaCopyEngine for CUDA registrations
     inflight: int = 0
     closing: bool = False
+    max_copy_pieces: int = 1 << 20     # the operator's cap when it registered

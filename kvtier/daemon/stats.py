@@ -11,21 +11,32 @@ from typing import TYPE_CHECKING
 
 from ..protocol.messages import PROTOCOL_VERSION
 from ..pool.index import STAT_KEYS
+from .tenancy import split_key
 
 if TYPE_CHECKING:
     from .server import Daemon
 
 
-def daemon_stats(d: "Daemon") -> dict:
-    """The document, built fresh from the daemon's parts (never mutated later)."""
+def daemon_stats(d: "Daemon", viewer=None) -> dict:
+    """The document, built fresh from the daemon's parts (never mutated later).
+
+    ``viewer`` is the asking client: unless it is an admin it sees only its
+    tenant's namespaces and clients (pool-wide figures are for everyone);
+    None is the operator (metrics, status notifications), who sees all."""
+    everything = viewer is None or viewer.admin
     alloc = d.index.alloc_
     namespaces = []
-    for ns in d.index.namespaces.values():
+    for key, ns in d.index.namespaces.items():
+        tenant, fingerprint = split_key(key)
+        if not everything and tenant != viewer.tenant:
+            continue
         blocks = ns.ready_blocks()
-        row = {"id": ns.id, "fingerprint": ns.fingerprint, "block_bytes": ns.block_bytes,
+        row = {"id": ns.id, "fingerprint": fingerprint, "block_bytes": ns.block_bytes,
                "blocks": blocks, "bytes": blocks * ns.block_bytes,
                "writing": len(ns.entries) - blocks}
         row.update({k: ns.stats[k] for k in STAT_KEYS})
+        if everything:
+            row["tenant"] = tenant
         namespaces.append(row)
     totals = {k: sum(n[k] for n in namespaces) for k in STAT_KEYS}
     lookups_blocks = totals["hits"] + totals["misses"]
@@ -33,12 +44,12 @@ def daemon_stats(d: "Daemon") -> dict:
     for k in ("store_bytes", "load_bytes", "stores", "loads", "offload_bytes", "restore_bytes",
               "offloads", "restores", "requests", "reaped", "cancelled"):
         totals[k] = d.counters[k]
-    clients = [{"id": c.id, "pid": c.pid, "name": c.name,
+    clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "tenant": c.tenant, "name": c.name,
                 "connected_s": round(time.time() - c.connected, 3),
-                "namespaces": sorted({r.ns.fingerprint for r in c.regs.values()}),
+                "namespaces": sorted({split_key(r.ns.fingerprint)[1] for r in c.regs.values()}),
                 "inflight": len(c.ops), "swap_bytes": d.swap.owner_bytes(c.id),
                 "swap_quota": c.swap_quota, "swap_requests": d.swap.owner_requests(c.id)}
-               for c in d.sessions.clients.values()]
+               for c in d.sessions.clients.values() if everything or c.tenant == viewer.tenant]
     return {
         "version": PROTOCOL_VERSION, "pid": os.getpid(),
         "uptime_s": round(time.time() - d.started, 3), "socket": d.config.socket,

@@ -10,7 +10,8 @@ ENV_SOCKET = "KVTIER_SOCKET"
 def default_socket() -> str:
     """``$KVTIER_SOCKET``, else ``/run/kvtier/kvtier.sock`` when that directory
     exists (systemd RuntimeDirectory), else ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock``,
-    else ``/tmp/kvtier-<uid>/kvtier.sock``."""
+    else ``~/.kvtier/kvtier.sock``. Never a directory under world-writable
+    /tmp: whoever creates it first would own the daemon's socket."""
     if os.environ.get(ENV_SOCKET):
         return os.environ[ENV_SOCKET]
     if os.path.isdir("/run/kvtier"):
@@ -18,7 +19,7 @@ def default_socket() -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime:
         return os.path.join(runtime, "kvtier", "kvtier.sock")
-    return f"/tmp/kvtier-{os.getuid()}/kvtier.sock"
+    return os.path.join(os.path.expanduser("~"), ".kvtier", "kvtier.sock")
 
 
 def endpoint(socket: str) -> str:

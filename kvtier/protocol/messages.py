@@ -49,7 +49,7 @@ def message(tag: str):
 @message("hi")
 class Hello:
     version: int
-    pid: int
+    pid: int                # informational: local sessions use the kernel's pid (SO_PEERCRED)
     name: str = ""
     token: str = ""
     TAG: ClassVar[str]
@@ -60,7 +60,8 @@ class Register:
     namespace: str          # fingerprint: model, dtype, layout, block size, TP
     tensors: list           # list of tensor specs (see PROTOCOL.md)
     block_factor: int = 1   # engine blocks per kvtier block
-    swap_quota: int = -1    # bytes; -1 = daemon default
+    swap_quota: int = -1    # bytes; -1 = daemon default; may only lower the operator's quota
+    ticket: str = ""        # CPU caches: the hand-over ticket for the memory descriptors
     TAG: ClassVar[str]
 
 

@@ -1,7 +1,7 @@
 """Data path, split by where it runs.
 
 Engine side (imported by workers): ``shm.ShmKVCache``, ``cuda.CudaKVCache``,
-``adopt.adopt_into_shm`` (move engine-allocated tensors into shared memory),
+``adopt.adopt_tensors`` (move engine-allocated tensors into shared memory),
 ``events.record_on``. Daemon side: ``mapping.open_specs`` (validate and map
 an engine's memory), ``layout.KVLayout`` (block geometry), ``copy.BlockCopier``
 (the CPU copy routine), ``worker.CopyWorker``, and the CUDA data path

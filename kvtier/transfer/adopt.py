@@ -1,43 +1,45 @@
-"""Adopt tensors an engine already allocated into named shared memory, in place.
+"""Adopt tensors an engine already allocated into sealed shared memory, in place.
 
-Engines such as vLLM allocate their CPU KV cache themselves (one big
-``torch.zeros``), long before any kvtier code runs, and their attention
-kernels keep the raw pointers. The daemon can only copy from memory it can
-map. Instead of a staging buffer (an extra copy per transfer), this module
-moves the *pages* under the existing tensors into a shared-memory segment:
+Engines such as vLLM and Hugging Face allocate their CPU KV cache themselves
+(one big ``torch.zeros``), long before any kvtier code runs, and their
+kernels and views keep raw pointers. The daemon can only copy from memory
+it is handed. Instead of a staging buffer (an extra copy per transfer), this
+module moves the *pages* under the existing tensors into a sealed ``memfd``
+(the same kind of memory ``ShmKVCache`` allocates, handed to the daemon as a
+descriptor):
 
-1. create a segment as large as the page-rounded byte range of the storage;
-2. piece by piece, copy the range's current contents into it and
-   ``mmap(MAP_FIXED | MAP_SHARED)`` the segment over the very same virtual
-   addresses (which frees the old pages).
+1. create a memfd as large as the page-rounded byte ranges of the storages;
+2. piece by piece, reserve it, copy the range's current contents into it and
+   ``mmap(MAP_FIXED | MAP_SHARED)`` it over the very same virtual addresses
+   (which frees the old pages);
+3. seal it against shrinking and growing (no SIGBUS in the daemon, ever).
 
 Every tensor, view and kernel pointer stays valid and unchanged
-(``data_ptr()`` is the same), but the bytes now live in a segment the daemon
-maps by name. The first and last page may also hold a few bytes of the
-allocator's bookkeeping; they are copied along and stay valid memory.
+(``data_ptr()`` is the same), including views the engine built earlier. The
+first and last page may also hold a few bytes of the allocator's
+bookkeeping; they are copied along and stay valid memory.
 
-Assumption: nothing writes the adopted range while ``adopt_into_shm`` runs
-(it is called once, when the engine registers its KV cache, before any
-request). The allocation must outlive the segment's use; engines keep their
-KV cache for their whole life.
+Assumption: nothing writes the adopted range while ``adopt_tensors`` runs (it
+is called once, when the engine registers its KV cache, before any request).
+The allocation must outlive the daemon's use of it; engines keep their KV
+cache for their whole life.
 
-One function is the interface (``adopt_into_shm``); when registration moves
-to passing memfds over SCM_RIGHTS only its segment creation changes.
+Primitive: ``adopt_tensors(tensors) -> ShmKVCache`` (its ``tensors`` are the
+given ones, its specs refer to the memfd it hands over).
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import itertools
 import mmap
 import os
-import secrets
+from typing import Sequence
 
-import posix_ipc
 import torch
 
-from ..pool.segment import cleanup_stale, unlink_segment
-from .shm import KV_PREFIX, tensor_spec
+from .shm import KV_PREFIX, SEALS, ShmKVCache
 
 _PAGE = mmap.PAGESIZE
 _PIECE = 64 << 20
@@ -54,35 +56,31 @@ class AdoptError(RuntimeError):
     """The tensors' memory could not be moved into shared memory."""
 
 
-class AdoptedKV:
-    """Engine tensors whose memory now lives in one named segment.
+class _AdoptedMemory:
+    """The memfd under adopted tensors (the tensors map it; we keep the fd to hand over)."""
 
-    Quacks like ``ShmKVCache`` for ``Client.register_kv_cache``: ``specs``
-    describes ``tensors`` (the caller's views, untouched) by segment offset."""
-
-    def __init__(self, name: str, tensors: list[torch.Tensor], offsets: list[int]):
-        self.name, self.tensors, self.offsets = name, tensors, offsets
-
-    def specs(self, block_dims: list[int]) -> list[dict]:
-        return [tensor_spec(self.name, o, t, d) for o, t, d in zip(self.offsets, self.tensors, block_dims)]
+    def __init__(self, fd: int, name: str, size: int):
+        self.fd, self.name, self.size = fd, name, size
 
     def close(self) -> None:
-        """Unlink the name; the pages stay mapped under the engine's tensors."""
-        self.tensors = []
-        unlink_segment(self.name)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def adopt_into_shm(tensors: list[torch.Tensor], mode: int = 0o600,
-                   group: int | None = None) -> AdoptedKV:
-    """Move the CPU storage under ``tensors`` into one new named segment, in place.
+def adopt_tensors(tensors: Sequence[torch.Tensor]) -> ShmKVCache:
+    """Move the CPU storage under ``tensors`` into one new sealed memfd, in place.
 
     Tensors may share storage (views of one allocation); each distinct storage
     is adopted once. Memory moves piece by piece (``_PIECE``), so the extra
     memory needed while adopting is one piece, not a second copy of the cache."""
-    ranges: dict[int, tuple[int, int]] = {}  # page-aligned start -> (end, segment offset)
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise AdoptError(f"only CPU tensors can be adopted, got {t.device}")
+    tensors = list(tensors)
+    if not tensors:
+        raise AdoptError("adopt_tensors needs at least one tensor")
+    ranges: dict[int, tuple[int, int]] = {}  # page-aligned start -> (end, memfd offset)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise AdoptError(f"tensor {i}: only CPU tensors can be adopted (GPU caches: CudaKVCache)")
         st = t.untyped_storage()
         lo = st.data_ptr() & ~(_PAGE - 1)
         hi = -(-(st.data_ptr() + st.nbytes()) // _PAGE) * _PAGE
@@ -96,27 +94,22 @@ def adopt_into_shm(tensors: list[torch.Tensor], mode: int = 0o600,
         hi = ranges[lo][0]
         ranges[lo] = (hi, total)
         total += hi - lo
-    cleanup_stale(KV_PREFIX)  # this user's dead engines' segments (see ShmKVCache)
-    name = f"/{KV_PREFIX}{os.getpid()}.a{next(_counter)}.{secrets.token_hex(3)}"
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=0)
+    label = f"{KV_PREFIX}{os.getpid()}.a{next(_counter)}"
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.fchmod(shm.fd, mode)
-        if group is not None:
-            os.fchown(shm.fd, -1, group)
-        os.ftruncate(shm.fd, total)
+        os.ftruncate(fd, total)
         for lo, (hi, off) in sorted(ranges.items()):
             for a in range(lo, hi, _PIECE):
-                _move(shm.fd, a, min(hi, a + _PIECE) - a, off + a - lo)
+                _move(fd, a, min(hi, a + _PIECE) - a, off + a - lo)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:
-        shm.unlink()
+        os.close(fd)
         raise
-    finally:
-        shm.close_fd()
     offsets = []
     for t in tensors:
         lo = t.untyped_storage().data_ptr() & ~(_PAGE - 1)
         offsets.append(ranges[lo][1] + t.data_ptr() - lo)
-    return AdoptedKV(name, list(tensors), offsets)
+    return ShmKVCache._adopted(_AdoptedMemory(fd, f"memfd:{label}", total), tensors, offsets)
 
 
 def _move(fd: int, addr: int, length: int, offset: int) -> None:
@@ -124,7 +117,7 @@ def _move(fd: int, addr: int, length: int, offset: int) -> None:
     try:
         os.posix_fallocate(fd, offset, length)  # fail now (ENOSPC), not with SIGBUS later
     except OSError as exc:
-        raise AdoptError(f"cannot reserve {length} bytes in /dev/shm: {exc.strerror}") from None
+        raise AdoptError(f"cannot reserve {length} bytes of shared memory: {exc.strerror}") from None
     window = mmap.mmap(fd, length, offset=offset)
     try:
         view = (ctypes.c_char * length).from_buffer(window)

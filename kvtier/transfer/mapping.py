@@ -1,79 +1,136 @@
 """Daemon side: validate an engine's tensor specs and map its memory.
 
 ``open_specs`` checks every spec before touching memory (a bad spec is the
-client's fault: ``SpecError``), then maps shared-memory segments (``shm``)
-or imports CUDA IPC storages (``cuda``, imported only when such a spec
+client's fault: ``SpecError``), then maps the memory the engine handed over
+as file descriptors (``fd``: checked for seals and size first, see
+``FdMapping``; memory is never opened by a name a client sends) or imports CUDA IPC storages (``cuda``, imported only when such a spec
 arrives, so CPU daemons never load CUDA code). The returned mappings own the
 memory: dropping them, with every tensor view, unmaps it.
 
-Primitives: ``open_specs(specs, max_tensors, gpu_uuids)``, ``open_cuda_specs``,
+Primitives: ``open_specs(specs, fds, max_tensors, gpu_uuids)``, ``FdMapping``, ``open_cuda_specs``,
 ``check_cuda_spec``, ``device_index``, ``local_uuids``, ``CudaMapping``.
 """
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
+import stat
+
 import torch
 
-from ..pool.segment import ShmSegment
-from .shm import KV_PREFIX
 from .specs import SpecError, check_geometry, extent_bytes, is_int, normalize_uuid
 
 MAX_HANDLE = 4096  # bytes; a CUDA IPC handle is 64, torch adds a little framing
 
 
-def open_specs(specs: list, max_tensors: int = 4096, gpu_uuids: list[str] | None = None) -> tuple[list, list[int], list]:
-    """Daemon side: map each spec's segment (once per name) and build the tensors.
+def open_specs(specs: list, fds: list[int] = (), max_tensors: int = 4096,
+               gpu_uuids: list[str] | None = None) -> tuple[list, list[int], list]:
+    """Daemon side: map each handed-over descriptor once and build the tensors.
 
-    CUDA specs go to ``cuda.open_cuda_specs`` (imported only then, so CPU
-    daemons never load CUDA code); ``gpu_uuids`` is the daemon's device table,
-    None without a CUDA data path. One registration uses one kind."""
+    ``fds`` are the descriptors the engine handed over (SCM_RIGHTS); a spec's
+    ``fd`` is an index into them. The caller keeps ownership of ``fds`` (the
+    mappings do not need them once made). CUDA specs go to
+    ``open_cuda_specs`` (imported only then, so CPU daemons never load CUDA
+    code); ``gpu_uuids`` is the daemon's device table, None without a CUDA
+    data path. One registration uses one kind."""
     if not isinstance(specs, list) or not 0 < len(specs) <= max_tensors:
         raise SpecError(f"tensors must be a list of 1..{max_tensors} specs")
-    kinds = {s.get("kind", "shm") if isinstance(s, dict) else None for s in specs}
+    kinds = {s.get("kind") if isinstance(s, dict) else None for s in specs}
     if "cuda" in kinds:
         if kinds != {"cuda"}:
-            raise SpecError("a registration must not mix cuda and shm tensors")
+            raise SpecError("a registration must not mix cuda and CPU tensors")
         return open_cuda_specs(specs, gpu_uuids, max_tensors)
-    segments: dict[str, ShmSegment] = {}
+    mappings: dict[int, FdMapping] = {}
     tensors, dims = [], []
+    base = None
     try:
         for i, spec in enumerate(specs):
-            seg_name, offset, dtype, shape, stride, block_dim = _check(spec, i)
-            if seg_name not in segments:
-                if not seg_name.lstrip("/").startswith(KV_PREFIX) or "/" in seg_name.lstrip("/"):
-                    raise SpecError(f"tensor {i}: segment name must start with /{KV_PREFIX}")
-                try:
-                    segments[seg_name] = ShmSegment(seg_name, populate=False)
-                except Exception as exc:
-                    raise SpecError(f"tensor {i}: cannot open {seg_name}: {exc}") from None
-            seg = segments[seg_name]
+            index, offset, dtype, shape, stride, block_dim = _check(spec, i)
+            if index >= len(fds):
+                raise SpecError(f"tensor {i}: fd {index} was not handed over "
+                                f"({len(fds)} descriptors came with this registration)")
+            if index not in mappings:
+                mappings[index] = FdMapping(fds[index], f"tensor {i}")
+            seg = mappings[index]
             es = torch.empty((), dtype=dtype).element_size()
             extent = extent_bytes(shape, stride, es)
             if offset % es or offset + extent > seg.size:
                 raise SpecError(f"tensor {i}: bytes [{offset}, {offset + extent}) outside "
-                                f"segment of {seg.size} bytes or misaligned")
+                                f"memory of {seg.size} bytes or misaligned")
             base = torch.frombuffer(seg.buffer, dtype=torch.uint8)
             count = (seg.size - offset) // es
             tensors.append(base[offset:offset + count * es].view(dtype).as_strided(shape, stride))
             dims.append(block_dim)
     except BaseException:
         tensors.clear()
-        base = None  # the last view: a segment cannot be unmapped under it
-        for seg in segments.values():
+        base = None  # the last view: memory cannot be unmapped under it
+        for seg in mappings.values():
             seg.close()
         raise
-    return tensors, dims, list(segments.values())
+    return tensors, dims, list(mappings.values())
+
+
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+"""Without it the owner could truncate the memory under the daemon's mapping,
+and the daemon's next copy would die of SIGBUS."""
+
+
+class FdMapping:
+    """Daemon side: an engine's memory, mapped from a handed-over descriptor.
+
+    Mapped only if it cannot hurt the daemon: a sealed shared-memory file
+    (``F_SEAL_SHRINK``: nobody can truncate it, so no access past its end
+    can fault) whose pages are all allocated already (reading a sparse file
+    would allocate pages charged to the daemon). ``close`` refuses
+    (BufferError) while tensor views are alive, like ``ShmSegment``."""
+
+    def __init__(self, fd: int, what: str):
+        try:
+            st = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:  # EINVAL: not a memfd/tmpfs file, nothing can seal it
+            raise SpecError(f"{what}: the descriptor is not sealable shared memory ({exc.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(f"{what}: the descriptor is not a memory file")
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise SpecError(f"{what}: memory must be sealed against shrinking (F_SEAL_SHRINK)")
+        if not 0 < st.st_size <= MAX_MAPPING:
+            raise SpecError(f"{what}: memory of {st.st_size} bytes (must be 1..{MAX_MAPPING})")
+        if st.st_blocks * 512 < st.st_size:
+            raise SpecError(f"{what}: memory is sparse ({st.st_blocks * 512} of {st.st_size} bytes "
+                            "allocated); allocate it fully (posix_fallocate) before handing it over")
+        try:
+            self._mmap = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:  # e.g. a read-only descriptor
+            raise SpecError(f"{what}: cannot map the memory: {exc}") from None
+        self.size = st.st_size
+        self.name = f"fd memory ({st.st_size} bytes, inode {st.st_ino})"
+
+    @property
+    def buffer(self):
+        return self._mmap
+
+    def close(self, unlink: bool = False) -> None:
+        if self._mmap is not None:
+            self._mmap.close()  # BufferError while views are alive: nothing is unmapped then
+            self._mmap = None
+
+
+MAX_MAPPING = 1 << 42
 
 
 def _check(spec, i):
-    if not isinstance(spec, dict) or spec.get("kind", "shm") != "shm":
-        raise SpecError(f"tensor {i}: expected a shm tensor spec")
-    seg, offset = spec.get("seg"), spec.get("offset")
-    if not isinstance(seg, str) or not 0 < len(seg) < 256:
-        raise SpecError(f"tensor {i}: seg must be a segment name")
+    if not isinstance(spec, dict) or spec.get("kind") != "fd":
+        raise SpecError(f"tensor {i}: expected a CPU tensor spec of kind 'fd' "
+                        "(memory is handed over as a descriptor, never named)")
+    index, offset = spec.get("fd"), spec.get("offset")
+    if not is_int(index) or not 0 <= index < 64:
+        raise SpecError(f"tensor {i}: fd must be the index of a handed-over descriptor (0..63)")
     if not is_int(offset) or offset < 0:
         raise SpecError(f"tensor {i}: offset must be an int >= 0")
-    return (seg, offset, *check_geometry(spec, i))
+    return (index, offset, *check_geometry(spec, i))
 
 
 def device_index(uuid: str, table: list[str]) -> int:

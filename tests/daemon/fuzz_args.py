@@ -108,9 +108,8 @@ def bad_restore(rng, ctx):
 
 # ---- registration and management --------------------------------------------------------
 SPEC_BREAKS = [
-    ("kind", "cuda"), ("seg", "/etc/passwd"), ("seg", "/kvtier-kv.1/../../etc/passwd"), ("seg", ""),
-    ("seg", 5), ("seg", "/kvtier-kv.1.no-such-segment"), ("seg", "/kvtier-kv.1.\x00"),  # was a segfault
-    ("seg", "x" * 300), ("offset", -1), ("shape", [0, 2, 4, 2, 16]),  # zero blocks: was INTERNAL
+    ("kind", "cuda"), ("kind", "shm"), ("fd", 1), ("fd", -1), ("fd", 64), ("fd", "0"), ("fd", None),
+    ("fd", 2**40), ("offset", -1), ("shape", [0, 2, 4, 2, 16]),  # zero blocks: was INTERNAL
     ("offset", 2**40), ("offset", "0"), ("offset", 1), ("offset", True), ("dtype", "float17"),
     ("dtype", 3), ("dtype", None), ("shape", []), ("shape", [1] * 9), ("shape", "x"),
     ("shape", [-1, 2, 4, 2, 16]), ("shape", [10**6, 2, 4, 2, 16]), ("shape", [16, 2, 4, 2]),

@@ -20,8 +20,13 @@ def test_socket_and_pool_are_owner_group_only(daemon_factory):
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
     pool = os.stat(f"/dev/shm/kvtier-pool.{d.proc.pid}")
     assert stat.S_IMODE(pool.st_mode) == 0o600
+    fd_sock = os.stat(d.socket + ".fd")  # the hand-over socket: same audience as the ZeroMQ one
+    assert stat.S_IMODE(fd_sock.st_mode) == 0o660 and fd_sock.st_gid == os.getgid()
+    # Engine KV memory has no name at all (a sealed memfd handed over as a descriptor):
+    # nothing in /dev/shm for another process to open.
+    before = set(os.listdir("/dev/shm"))
     kv = make_kv()
-    assert stat.S_IMODE(os.stat("/dev/shm" + kv.name).st_mode) == 0o600
+    assert set(os.listdir("/dev/shm")) == before and kv.name.startswith("memfd:")
     kv.close()
 
 

@@ -8,7 +8,7 @@ import zmq
 
 from kvtier.protocol import ErrorCode, decode, encode, pack_hashes, pack_ids
 from kvtier.protocol import messages as m
-from tests.helpers import NS, make_kv
+from tests.helpers import NS, make_kv, ticket_for
 
 
 @pytest.fixture
@@ -28,9 +28,10 @@ def ask(sock, frame: bytes):
     return decode(sock.recv())
 
 
-def hello_and_register(sock, kv):
+def hello_and_register(sock, kv, socket):
     assert isinstance(ask(sock, encode(m.Hello(m.PROTOCOL_VERSION, 0, "raw"), 1))[1], m.Welcome)
-    rid, reg = ask(sock, encode(m.Register(NS.fingerprint(), kv.specs([0] * len(kv.tensors))), 2))
+    rid, reg = ask(sock, encode(m.Register(NS.fingerprint(), kv.specs([0] * len(kv.tensors)),
+                                           ticket=ticket_for(socket, kv)), 2))
     assert isinstance(reg, m.Registered), reg
     return reg.reg
 
@@ -62,7 +63,7 @@ def test_garbage_frames_get_typed_errors(daemon, raw):
 
 def test_bad_arguments_on_a_registered_cache(daemon, raw):
     kv = make_kv(seed=0)
-    reg = hello_and_register(raw, kv)
+    reg = hello_and_register(raw, kv, daemon.socket)
     h = pack_hashes([bytes([i]) * 16 for i in range(4)])
     cases = [
         (m.Store(reg, h, pack_ids([0, 1, 2])), ErrorCode.BAD_ARGUMENT),          # 3 ids for 4 hashes
@@ -73,12 +74,17 @@ def test_bad_arguments_on_a_registered_cache(daemon, raw):
         (m.Load(reg, h, pack_ids([0, 1, 2, 3]), skip=1), ErrorCode.BAD_ARGUMENT),  # skip >= factor
         (m.Lookup(reg + 100, h), ErrorCode.UNKNOWN_NAMESPACE),                   # not our cache
         (m.Flush("no-such-namespace"), ErrorCode.UNKNOWN_NAMESPACE),
+        # Memory by name is gone for good (anyone could name anyone's segment):
         (m.Register("x", [{"kind": "shm", "seg": "/etc/passwd"}]), ErrorCode.BAD_ARGUMENT),
         (m.Register("x", [{"kind": "shm", "seg": "/kvtier-kv.1.missing", "offset": 0,
                            "dtype": "float16", "shape": [4], "stride": [1], "block_dim": 0}]),
          ErrorCode.BAD_ARGUMENT),
-        (m.Register("x", kv.specs([0] * 3 + [9])), ErrorCode.BAD_ARGUMENT),       # block_dim out of range
-        (m.Register(NS.fingerprint(), kv.specs([1] * 4)), ErrorCode.BAD_ARGUMENT),  # other block size, same ns
+        (m.Register("x", kv.specs([0] * 4)), ErrorCode.BAD_ARGUMENT),             # no memory handed over
+        (m.Register("x", kv.specs([0] * 4), ticket="f" * 32), ErrorCode.UNAUTHORIZED),  # forged ticket
+        (m.Register("x", kv.specs([0] * 3 + [9]), ticket=ticket_for(daemon.socket, kv)),
+         ErrorCode.BAD_ARGUMENT),                                                 # block_dim out of range
+        (m.Register(NS.fingerprint(), kv.specs([1] * 4), ticket=ticket_for(daemon.socket, kv)),
+         ErrorCode.BAD_ARGUMENT),                                                 # other block size, same ns
     ]
     for i, (msg, want) in enumerate(cases):
         rid, reply = ask(raw, encode(msg, 100 + i))
@@ -87,7 +93,8 @@ def test_bad_arguments_on_a_registered_cache(daemon, raw):
     # a tensor spec whose extent lies outside its segment is refused
     spec = kv.specs([0] * 4)
     spec[0] = {**spec[0], "shape": [10**6] + spec[0]["shape"][1:]}
-    assert code_of(ask(raw, encode(m.Register("y", spec), 200))[1]) == ErrorCode.BAD_ARGUMENT
+    reply = ask(raw, encode(m.Register("y", spec, ticket=ticket_for(daemon.socket, kv)), 200))[1]
+    assert code_of(reply) == ErrorCode.BAD_ARGUMENT
     kv.close()
 
 

@@ -14,6 +14,7 @@ mutated cases (default 4000). Run with ``-s`` to see the count per category.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import socket
@@ -23,6 +24,7 @@ from collections import Counter
 import zmq
 
 from kvtier.client import Client, ShmKVCache
+from kvtier.client.handover import hand_over
 from kvtier.protocol import ErrorCode, ProtocolError, decode, encode, pack_ids
 from kvtier.protocol import messages as m
 from kvtier.protocol.errors import CLIENT_FAULT
@@ -55,8 +57,9 @@ class Fuzzer:
     """Sends cases on one session (HELLO + a registered cache + a swapped request),
     re-opening it whenever a case was a valid HELLO/BYE/REGISTER/UNREGISTER."""
 
-    def __init__(self, path: str, ctx: Ctx, protect: set[str], daemon_alive):
+    def __init__(self, path: str, ctx: Ctx, protect: set[str], daemon_alive, kv):
         self.endpoint, self.ctx, self.protect, self.daemon_alive = "ipc://" + path, ctx, protect, daemon_alive
+        self.kv = kv  # the memory every REGISTER hands over (a fresh ticket each time)
         self.counts: Counter = Counter()
         self.reopened = self.accepted = 0
         self.sock = self.socket()
@@ -76,16 +79,24 @@ class Fuzzer:
     def open_session(self) -> None:
         assert isinstance(self.ask(self.sock, [encode(m.Hello(m.PROTOCOL_VERSION, os.getpid(), "fuzz"), 1)])[1],
                           m.Welcome)
-        reg = self.ask(self.sock, [encode(m.Register(FUZZ_NS, self.ctx.specs), 2)])[1]
+        reg = self.ask(self.sock, [encode(m.Register(FUZZ_NS, self.ctx.specs, ticket=self.ticket()), 2)])[1]
         self.ctx.reg = reg.reg
         done = self.ask(self.sock, [encode(m.Offload(reg.reg, [[self.ctx.swapped, pack_ids([0, 1])]]), 3)])[1]
         assert done.done == 1, done
+
+    def ticket(self) -> str:
+        return hand_over(self.endpoint, self.kv.fds())
 
     def run(self, case: Case) -> None:
         if len(case.frames) == 1:
             want_rid, code, msg = oracle(case.frames[0])
         else:
             want_rid, code, msg = 0, ErrorCode.BAD_MESSAGE, None
+        if isinstance(msg, m.Register) and not msg.ticket and not case.fresh:
+            # A real client hands its memory over before every REGISTER: so does the fuzzer,
+            # or every geometry variant would stop at "no memory handed over".
+            msg = dataclasses.replace(msg, ticket=self.ticket())
+            case = dataclasses.replace(case, frames=[encode(msg, want_rid)])
         if isinstance(msg, m.Flush) and msg.namespace in self.protect:
             self.counts["skipped (flush of protected data)"] += 1
             return
@@ -190,7 +201,7 @@ def test_fuzz_the_daemon_socket(daemon_factory, record_property):
         stored = [t[:16].clone() for t in good_kv.tensors]
 
         ctx = Ctx(foreign_reg=good.registration.reg, specs=fuzz_kv.specs([0]), max_message=MAX_MESSAGE)
-        fuzzer = Fuzzer(d.socket, ctx, {"", NS.fingerprint()}, lambda: d.proc.poll() is None)
+        fuzzer = Fuzzer(d.socket, ctx, {"", NS.fingerprint()}, lambda: d.proc.poll() is None, fuzz_kv)
         t0 = time.monotonic()
         for case in all_cases(rng, ctx, budget):
             fuzzer.run(case)

@@ -20,7 +20,8 @@ M = dataclasses.MISSING
 WIRE = {  # tag: (class, [(field, type, default)])
     "hi": ("Hello", [("version", "int", M), ("pid", "int", M), ("name", "str", ""), ("token", "str", "")]),
     "reg": ("Register", [("namespace", "str", M), ("tensors", "list", M), ("block_factor", "int", 1),
-                         ("swap_quota", "int", -1)]),
+                         ("swap_quota", "int", -1),
+                         ("ticket", "str", "")]),
     "unreg": ("Unregister", [("reg", "int", M)]),
     "lk": ("Lookup", [("reg", "int", M), ("hashes", "bytes", M)]),
     "st": ("Store", [("reg", "int", M), ("hashes", "bytes", M), ("blocks", "bytes", M), ("event", "bytes", b"")]),
@@ -107,4 +108,5 @@ def test_default_socket_prefers_the_environment(monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
     assert endpoints.default_socket() == "/run/user/1000/kvtier/kvtier.sock"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert endpoints.default_socket() == f"/tmp/kvtier-{endpoints.os.getuid()}/kvtier.sock"
+    # Never under world-writable /tmp: whoever made the directory first would own the socket.
+    assert endpoints.default_socket() == endpoints.os.path.expanduser("~/.kvtier/kvtier.sock")

@@ -5,6 +5,7 @@ without the remote tier."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kvtier.client import block_hashes
+from kvtier.daemon.tenancy import ns_key
 from kvtier.remote import values as v
 from tests.helpers import NS, make_kv
 from tests.remote.conftest import running_cluster
@@ -126,7 +128,9 @@ def test_a_corrupted_remote_value_is_detected_and_reported_failed(daemon_factory
     wait_remote(a, "written", 12)
     hashes = block_hashes(tokens, 16)
     r = cluster.client()
-    key = v.remote_key(v.namespace_digest(NS.fingerprint()), hashes[5])
+    # Remote keys carry the tenant too (a namespace belongs to a Unix user or
+    # sharing group): the test process's user is this namespace's tenant.
+    key = v.remote_key(v.namespace_digest(ns_key(f"uid{os.geteuid()}", NS.fingerprint())), hashes[5])
     value = bytearray(r.get(key))
     value[v.HEADER_BYTES + 1234] ^= 0x10
     r.set(key, bytes(value))

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from ...client import Client, KVTierError, Namespace, TransferHandle, block_hashes
-from ...transfer.adopt import adopt_into_shm
+from ...transfer.adopt import adopt_tensors
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -96,7 +96,7 @@ class HFKVTier:
         if flat.data_ptr() != cache.cache_tensor.data_ptr():
             raise ValueError("HF's cache tensor is not contiguous: cannot register it in place")
         rows = flat.numel() // allocator.bytes_per_block
-        kv = adopt_into_shm([flat[: rows * allocator.bytes_per_block].view(rows, -1)])
+        kv = adopt_tensors([flat[: rows * allocator.bytes_per_block].view(rows, -1)])
         client.register_kv_cache(kv, [0], namespace)
         return cls(client, cache, kv, namespace)
 

@@ -8,16 +8,14 @@ failed load (it asserts success), so the spec refuses to run under it
 rather than risk vLLM reading blocks a failed load never wrote.
 
 ``kv_connector_extra_config`` keys read here (all optional):
-``kvtier_socket`` (default: ``$KVTIER_SOCKET`` or the standard path),
-``kvtier_shm_group`` (group owning the KV segment, e.g. ``"kvtier"`` when the
-daemon runs as the systemd service), and vLLM's own ``block_size`` /
+``kvtier_socket`` (default: ``$KVTIER_SOCKET`` or the standard path), and
+vLLM's own ``block_size`` /
 ``blocks_per_chunk`` (tokens or engine blocks per kvtier block).
 """
 
 from __future__ import annotations
 
 import contextvars
-import grp
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -62,8 +60,6 @@ class KVTierOffloadingSpec(OffloadingSpec):
             hash_algo=vc.cache_config.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"))
         self.engine_block_bytes = _unpadded_block_bytes(engine.kv_cache_config, group.group_id)
         self.socket = self.extra_config.get("kvtier_socket") or None
-        shm_group = self.extra_config.get("kvtier_shm_group")
-        self.shm_group = grp.getgrnam(shm_group).gr_gid if isinstance(shm_group, str) else shm_group
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -81,9 +77,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             from .worker import KVTierWorker
             rank = self.config.parallel.rank
             self._worker = KVTierWorker(kv_caches, self.identity.namespace(rank), self.blocks_per_chunk,
-                                        self.socket, name=f"vllm-worker{rank}-{self.config.engine_id}"[:64],
-                                        shm_mode=0o660 if self.shm_group is not None else 0o600,
-                                        shm_group=self.shm_group)
+                                        self.socket, name=f"vllm-worker{rank}-{self.config.engine_id}"[:64])
         return self._worker
 
 

@@ -1,6 +1,6 @@
 """Worker side (vLLM worker process): move chunks between vLLM's KV cache and kvtier.
 
-vLLM's CPU worker allocates its KV cache itself; ``adopt_into_shm`` moves the
+vLLM's CPU worker allocates its KV cache itself; ``adopt_tensors`` moves the
 pages under it into a named segment in place (same addresses, so attention
 reads the same memory), and the daemon copies to and from those pages
 directly. Each canonical layer tensor is registered as one tensor of
@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client import Client, KVTierError, Namespace, TransferHandle
-from ...transfer.adopt import adopt_into_shm
+from ...transfer.adopt import adopt_tensors
 from .manager import KVTierSpecs
 
 log = logging.getLogger("kvtier.vllm")
@@ -44,7 +44,7 @@ class _Job:
 
 class KVTierWorker(OffloadingWorker):
     def __init__(self, kv_caches: CanonicalKVCaches, namespace: Namespace, blocks_per_chunk: int,
-                 socket: str | None, name: str, shm_mode: int = 0o600, shm_group: int | None = None):
+                 socket: str | None, name: str):
         if len(kv_caches.group_data_refs) != 1:
             raise NotImplementedError("kvtier supports models with one KV cache group")
         refs = kv_caches.group_data_refs[0]
@@ -52,7 +52,7 @@ class KVTierWorker(OffloadingWorker):
         views = [kv_caches.tensors[r.tensor_idx].tensor[:, :r.page_size_bytes] for r in refs]
         self.engine_block_bytes = sum(r.page_size_bytes for r in refs)
         self.k = blocks_per_chunk
-        self.kv = adopt_into_shm(views, mode=shm_mode, group=shm_group)
+        self.kv = adopt_tensors(views)  # in place: vLLM's kernels keep their pointers
         self.client = Client(socket, name=name, require_daemon=False)
         self.enabled = True
         try:

@@ -1,0 +1,110 @@
+"""Engine side of the trust boundary: is this the real daemon, and hand it memory.
+
+Before a client sends anything (a token, its memory) it checks that the
+socket belongs to the daemon's user: the socket file and its directory are
+owned by an expected uid and the directory is not writable by others (else
+anyone could have swapped the socket); on the hand-over socket, the kernel
+tells the uid of the process that listens (``SO_PEERCRED``), which no file
+swap can fake. Expected uids: ``$KVTIER_DAEMON_USER`` (user names or uids,
+comma-separated), default root and the current user.
+
+``hand_over(path, fds)`` passes KV memory descriptors to the daemon
+(SCM_RIGHTS over ``PATH.fd``) and returns the one-time ticket the
+REGISTER presents.
+
+Primitives: ``expected_daemon_uids()``, ``check_daemon_socket(path)``,
+``hand_over(path, fds, timeout)``, ``UntrustedSocket``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import socket
+import stat
+import struct
+
+import msgpack
+
+from .errors import DaemonUnavailable
+
+ENV_DAEMON_USER = "KVTIER_DAEMON_USER"
+HANDOVER_SUFFIX = ".fd"
+
+
+class UntrustedSocket(DaemonUnavailable):
+    """The socket is not the expected daemon's: nothing is sent to it."""
+
+
+def expected_daemon_uids() -> set[int]:
+    value = os.environ.get(ENV_DAEMON_USER, "").strip()
+    if not value:
+        return {0, os.getuid()}
+    uids = set()
+    for user in filter(None, (u.strip() for u in value.split(","))):
+        if user.isdigit():
+            uids.add(int(user))
+        else:
+            try:
+                uids.add(pwd.getpwnam(user).pw_uid)
+            except KeyError:
+                raise UntrustedSocket(f"${ENV_DAEMON_USER}: no user {user!r}") from None
+    return uids
+
+
+def check_daemon_socket(path: str) -> None:
+    """Raise UntrustedSocket unless ``path`` (if it exists) and its directory
+    belong to an expected daemon uid. A missing socket is no daemon yet."""
+    if path.startswith(("tcp://", "ipc://")):
+        return
+    uids = expected_daemon_uids()
+    d = os.path.dirname(os.path.abspath(path))
+    try:
+        dst = os.stat(d)
+    except FileNotFoundError:
+        return
+    if dst.st_uid not in uids or dst.st_mode & 0o022:
+        raise UntrustedSocket(f"refusing {path}: its directory belongs to uid {dst.st_uid} (mode "
+                              f"{stat.S_IMODE(dst.st_mode):o}); expected one of {sorted(uids)}, "
+                              f"not writable by others (set ${ENV_DAEMON_USER})")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid not in uids:
+        raise UntrustedSocket(f"refusing {path}: not a socket of uid {sorted(uids)} "
+                              f"(owner uid {st.st_uid}; set ${ENV_DAEMON_USER})")
+
+
+def hand_over(path: str, fds: list[int], timeout: float = 5.0) -> str:
+    """Give the daemon at ``path`` these descriptors; the ticket for REGISTER."""
+    if path.startswith("ipc://"):
+        path = path[len("ipc://"):]
+    elif path.startswith("tcp://"):
+        from ..protocol.errors import ErrorCode
+        from .errors import KVTierError
+        raise KVTierError(ErrorCode.BAD_ARGUMENT, "CPU caches are handed over on the local Unix socket, "
+                          "not over TCP", "client")
+    check_daemon_socket(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(path + HANDOVER_SUFFIX)
+        except OSError as exc:
+            raise DaemonUnavailable(f"no hand-over socket at {path}{HANDOVER_SUFFIX}: {exc.strerror}") from None
+        pid, uid, gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        uids = expected_daemon_uids()
+        if uid not in uids:  # the kernel's word: no swapped file can fake this
+            raise UntrustedSocket(f"refusing to hand memory to pid {pid}: it runs as uid {uid}, "
+                                  f"expected one of {sorted(uids)} (set ${ENV_DAEMON_USER})")
+        try:
+            socket.send_fds(s, [msgpack.packb({"v": 1})], list(fds))
+            reply = msgpack.unpackb(s.recv(4096))
+        except (OSError, ValueError) as exc:
+            raise DaemonUnavailable(f"hand-over to {path}{HANDOVER_SUFFIX} failed: {exc}") from None
+    if not isinstance(reply, dict) or not isinstance(reply.get("ticket"), str):
+        from ..protocol.errors import ErrorCode
+        from .errors import KVTierError
+        why = reply.get("error", "no ticket") if isinstance(reply, dict) else "bad reply"
+        raise KVTierError(ErrorCode.BAD_ARGUMENT, f"the daemon refused the memory: {why}", "client")
+    return reply["ticket"]

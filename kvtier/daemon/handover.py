@@ -1,0 +1,192 @@
+"""The hand-over socket: engines give the daemon memory, never a name.
+
+ZeroMQ cannot carry file descriptors, so next to the ZeroMQ socket at
+``PATH`` the daemon listens on ``PATH.fd`` (AF_UNIX, SOCK_SEQPACKET: one
+message per read, descriptors attached to it). A client connects, sends one
+message ``{"v": 1}`` with its KV memory descriptors attached (SCM_RIGHTS),
+and gets back ``{"ticket": HEX}`` (or ``{"error": TEXT}``); then it closes.
+The daemon records who handed the descriptors over (``SO_PEERCRED``: uid,
+gid, pid - the kernel's word, not the client's) and gives the descriptors
+to a REGISTER that presents the ticket over ZeroMQ from a session of the
+same pid. A ticket is good once, for ``TICKET_TTL_S``.
+
+Everything here is non-blocking and served by the daemon's poll loop; what
+one peer can hold is bounded (pending connections, tickets per uid,
+descriptors per ticket, time).
+
+Primitives: ``Handover(path, mode, gid)``, ``.poll_fds()``, ``.on_ready(fd)``,
+``.expire(now)``, ``.take(ticket, peer) -> Ticket | str``, ``.close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+
+from .peers import Peer, peer_of
+
+log = logging.getLogger("kvtier.daemon")
+
+MAX_PENDING = 64          # connections accepted but not answered yet
+CONNECT_DEADLINE_S = 2.0  # a connection that sends nothing is closed after this
+MAX_FDS = 16              # descriptors per hand-over
+MAX_TICKETS_PER_UID = 16
+MAX_TICKETS = 256
+TICKET_TTL_S = 30.0
+MAX_REQUEST = 256         # bytes of the request message
+
+
+@dataclass(eq=False)
+class Ticket:
+    peer: Peer
+    fds: list[int]
+    expires: float = field(default_factory=lambda: time.monotonic() + TICKET_TTL_S)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+
+class Handover:
+    def __init__(self, path: str, mode: int, gid: int | None):
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.setblocking(False)
+        old = os.umask(0o777 & ~mode)
+        try:
+            self.sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, mode)  # the directory is ours and closed to others (listen.check_socket_dir)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        self.sock.listen(64)
+        self.pending: dict[int, tuple[socket.socket, float]] = {}
+        self.tickets: dict[str, Ticket] = {}
+        self.counters = {"handovers": 0, "refused": 0}
+
+    # ---- poll loop ---------------------------------------------------------------------
+    def poll_fds(self) -> list[int]:
+        return [self.sock.fileno(), *self.pending]
+
+    def on_ready(self, fd: int) -> None:
+        if fd == self.sock.fileno():
+            self._accept()
+        elif fd in self.pending:
+            self._serve(fd)
+
+    def _accept(self) -> None:
+        for _ in range(MAX_PENDING):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: the fd budget is the guard's business
+                log.warning("hand-over accept failed: %s", exc)
+                return
+            if len(self.pending) >= MAX_PENDING:
+                self.counters["refused"] += 1
+                conn.close()  # too many half-open hand-overs: this one is dropped
+                continue
+            conn.setblocking(False)
+            self.pending[conn.fileno()] = (conn, time.monotonic() + CONNECT_DEADLINE_S)
+
+    def _serve(self, fd: int) -> None:
+        conn, _ = self.pending[fd]
+        try:
+            data, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST, MAX_FDS)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("hand-over read failed: %s", exc)
+            data, fds, flags = None, [], 0
+        del self.pending[fd]
+        with conn:
+            if data is None:
+                return
+            reply = self._ticket_for(conn, data, fds, flags)
+            try:
+                conn.send(msgpack.packb(reply))
+            except OSError:
+                pass
+
+    def _ticket_for(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> dict:
+        ticket = Ticket(peer_of(conn), list(fds))
+        why = None
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            why = f"at most {MAX_FDS} descriptors and {MAX_REQUEST} bytes per hand-over"
+        elif not _is_request(data):
+            why = "expected a msgpack map {'v': 1}"
+        elif not all(_is_memory(fd) for fd in fds):
+            why = "only memory files may be handed over"
+        elif len(self.tickets) >= MAX_TICKETS or \
+                sum(t.peer.uid == ticket.peer.uid for t in self.tickets.values()) >= MAX_TICKETS_PER_UID:
+            why = "too many unused tickets; register with the ones you have first"
+        if why is not None:
+            ticket.close()
+            self.counters["refused"] += 1
+            log.warning("hand-over from pid %d uid %d refused: %s", ticket.peer.pid, ticket.peer.uid, why)
+            return {"error": why}
+        token = secrets.token_hex(16)
+        self.tickets[token] = ticket
+        self.counters["handovers"] += 1
+        return {"ticket": token}
+
+    def expire(self, now: float) -> None:
+        for fd, (conn, deadline) in list(self.pending.items()):
+            if now >= deadline:
+                del self.pending[fd]
+                conn.close()
+        for token, t in list(self.tickets.items()):
+            if now >= t.expires:
+                del self.tickets[token]
+                t.close()
+
+    # ---- REGISTER ------------------------------------------------------------------------
+    def take(self, token: str, peer: Peer | None) -> Ticket | str:
+        """The ticket's descriptors for the session of ``peer`` (the caller
+        closes them), or why not. A ticket is used up even when refused."""
+        t = self.tickets.pop(token, None) if isinstance(token, str) else None
+        if t is None:
+            return "unknown or expired ticket: hand the memory over again"
+        if peer is None or (peer.uid, peer.pid) != (t.peer.uid, t.peer.pid):
+            t.close()
+            return "the ticket was issued to another process"
+        return t
+
+    def close(self) -> None:
+        for conn, _ in self.pending.values():
+            conn.close()
+        self.pending.clear()
+        for t in self.tickets.values():
+            t.close()
+        self.tickets.clear()
+        self.sock.close()
+
+
+def _is_request(data: bytes) -> bool:
+    try:
+        obj = msgpack.unpackb(data)
+    except Exception:  # msgpack raises several unrelated types
+        return False
+    return isinstance(obj, dict) and obj.get("v") == 1
+
+
+def _is_memory(fd: int) -> bool:
+    """A regular file (memfd/tmpfs): never a socket, directory or device -
+    those could make the daemon block or hold something it should not."""
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        return False

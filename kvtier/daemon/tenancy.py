@@ -1,0 +1,42 @@
+"""Who owns what: tenants, admins, and namespace keys.
+
+A namespace belongs to the tenant of the client that created it: its Unix
+user, or the sharing group the operator declared for that user (config
+``tenants``). The index keys namespaces by ``tenant SEP fingerprint``, so
+two tenants that send the same fingerprint get two disjoint namespaces:
+lookups, loads, stores and swap of one never see the other's blocks.
+Admins (root, the daemon's own user, members of ``admin_group``) may flush
+and see every tenant; remote (TCP) sessions are tenant ``remote`` and may
+not register memory at all.
+
+Primitives: ``SEP``, ``ns_key(tenant, fp)``, ``split_key(key)``,
+``identify(peer, config) -> (tenant, admin)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import DaemonConfig, admin_gid, parse_tenants
+from .peers import Peer
+
+SEP = "\x1f"  # never in a tenant name (letters, digits, - and _)
+REMOTE = "remote"
+
+
+def ns_key(tenant: str, fingerprint: str) -> str:
+    return f"{tenant}{SEP}{fingerprint}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    tenant, _, fp = key.partition(SEP)
+    return tenant, fp
+
+
+def identify(peer: Peer | None, config: DaemonConfig) -> tuple[str, bool]:
+    if peer is None:
+        return REMOTE, False
+    tenant = parse_tenants(config.tenants).get(peer.uid, f"uid{peer.uid}")
+    gid = admin_gid(config.admin_group) if config.admin_group else None
+    admin = peer.uid in (0, os.geteuid()) or (gid is not None and gid in peer.groups)
+    return tenant, admin
