@@ -96,6 +96,7 @@ def wait_written(daemon, at_least: int, timeout: float = 120.0) -> None:
 
 def load_point(args, cluster, a, b, block: int) -> dict:
     import numpy as np
+    from kvtier.daemon.tenancy import ns_key
     from kvtier.remote import values as v
     n = max(1, args.batch_bytes // block)
     ea = Engine(a, block, n, 1, "load")
@@ -111,7 +112,8 @@ def load_point(args, cluster, a, b, block: int) -> dict:
         raise RuntimeError("remote load returned other bytes than were stored")
 
     r = cluster.client()
-    ns = v.namespace_digest(ea.ns.fingerprint())
+    # The daemon keys a namespace by tenant + fingerprint; this process's user is the tenant.
+    ns = v.namespace_digest(ns_key(f"uid{os.geteuid()}", ea.ns.fingerprint()))
     rkeys = [v.remote_key(ns, k) for k in keys]
     arr = eb.kv.tensors[0].numpy()
 
