@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from kvtier.transfer.shm import SEALS, adopt_tensors
+from kvtier.client import adopt_tensors
+from kvtier.transfer.shm import SEALS
 
 
 def test_adopted_tensors_keep_identity_contents_and_geometry():
