@@ -6,7 +6,8 @@ owned by an expected uid and the directory is not writable by others (else
 anyone could have swapped the socket); on the hand-over socket, the kernel
 tells the uid of the process that listens (``SO_PEERCRED``), which no file
 swap can fake. Expected uids: ``$KVTIER_DAEMON_USER`` (user names or uids,
-comma-separated), default root and the current user.
+comma-separated), default root, the current user and the service user
+``kvtier`` if it exists.
 
 ``hand_over(path, fds)`` passes KV memory descriptors to the daemon
 (SCM_RIGHTS over ``PATH.fd``) and returns the one-time ticket the
@@ -29,6 +30,7 @@ import msgpack
 from .errors import DaemonUnavailable
 
 ENV_DAEMON_USER = "KVTIER_DAEMON_USER"
+SERVICE_USER = "kvtier"
 HANDOVER_SUFFIX = ".fd"
 
 
@@ -39,7 +41,12 @@ class UntrustedSocket(DaemonUnavailable):
 def expected_daemon_uids() -> set[int]:
     value = os.environ.get(ENV_DAEMON_USER, "").strip()
     if not value:
-        return {0, os.getuid()}
+        uids = {0, os.getuid()}
+        try:  # the documented service runs as user kvtier: trusted out of the box
+            uids.add(pwd.getpwnam(SERVICE_USER).pw_uid)
+        except KeyError:
+            pass
+        return uids
     uids = set()
     for user in filter(None, (u.strip() for u in value.split(","))):
         if user.isdigit():

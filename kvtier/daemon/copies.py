@@ -71,7 +71,7 @@ class CopyRunner:
 
             def gpu_copy():
                 op.done_event = engine.copy(pool, op.pairs, op.to_pool, op.fence, op.cancelled)
-            self.worker.submit(op, gpu_copy)
+            self.worker.submit(op, gpu_copy, op.client.id)
             return
         copy = self._cpu_copy(op, config)
         if op.nbytes <= config.inline_copy_bytes and not config.copy_delay_s:
@@ -84,7 +84,7 @@ class CopyRunner:
                 error = exc
             self._complete(op, error)
             return
-        self.worker.submit(op, copy)
+        self.worker.submit(op, copy, op.client.id)
 
     def _cpu_copy(self, op: CopyOp, config: DaemonConfig) -> Callable[[], None]:
         layout, pool, delay = op.reg.layout, self.pool, config.copy_delay_s

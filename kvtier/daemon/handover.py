@@ -37,8 +37,8 @@ log = logging.getLogger("kvtier.daemon")
 MAX_PENDING = 64          # connections accepted but not answered yet
 CONNECT_DEADLINE_S = 2.0  # a connection that sends nothing is closed after this
 MAX_FDS = 16              # descriptors per hand-over
-MAX_TICKETS_PER_UID = 16
-MAX_TICKETS = 256
+MAX_TICKETS_PER_UID = 8
+MAX_TICKETS = 64
 TICKET_TTL_S = 30.0
 MAX_REQUEST = 256         # bytes of the request message
 

@@ -100,7 +100,9 @@ class Listener:
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.SNDHWM, 100_000)
+        # Per peer: a peer that reads nothing can make the daemon hold at most this many
+        # replies (mostly tens of bytes; stats are withheld from such a peer, server.py).
+        self.router.setsockopt(zmq.SNDHWM, 10_000)
         self.router.setsockopt(zmq.RCVHWM, 100_000)
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message)  # hard backstop
         if owns_path:  # we hold the lock: the old daemon is gone

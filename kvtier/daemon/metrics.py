@@ -86,13 +86,14 @@ class SnapshotCollector:
     @staticmethod
     def _namespaces(namespaces):
         size = GaugeMetricFamily("kvtier_namespace_bytes", "Bytes of ready blocks per namespace.",
-                                 labels=["namespace"])
+                                 labels=["namespace", "tenant"])
         blocks = GaugeMetricFamily("kvtier_namespace_blocks", "Ready blocks per namespace.",
-                                   labels=["namespace"])
-        counters = [(key, CounterMetricFamily("kvtier_" + name, doc, labels=["namespace"]))
+                                   labels=["namespace", "tenant"])
+        counters = [(key, CounterMetricFamily("kvtier_" + name, doc, labels=["namespace", "tenant"]))
                     for key, name, doc in NAMESPACE_COUNTERS]
         for ns in namespaces:
-            label = [ns["fingerprint"]]
+            # Two tenants may use one fingerprint: the tenant keeps their series apart.
+            label = [ns["fingerprint"], ns.get("tenant", "")]
             size.add_metric(label, ns["bytes"])
             blocks.add_metric(label, ns["blocks"])
             for key, family in counters:

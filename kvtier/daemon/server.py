@@ -27,8 +27,11 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import fcntl
 import signal
 import socket
+import struct
+import termios
 import time
 from collections import Counter
 
@@ -50,6 +53,7 @@ from ..waker import Waker
 from .config import DaemonConfig
 from .copies import CopyRunner
 from .housekeeping import Housekeeping
+from .guard import ConnectionGuard, fd_headroom
 from .listen import HANDOVER_SUFFIX, Listener, StartupError, UnfitConfig, remove_our_socket, take_socket_lock
 from .lookup_index import STALE_PREFIX as INDEX_PREFIX
 from .lookup_index import LookupIndexes
@@ -63,8 +67,10 @@ from .tenancy import split_key
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
 POOL_PREFIX = "kvtier-pool."
-CANCEL_GRACE_S = 5.0
-_instances = itertools.count()  # after cancelling at the drain deadline, wait this long for copies to stop
+UNREAD_LIMIT = 32 * 1024  # bytes of replies a peer has not read: no more stats for it
+# (the kernel queue of a Unix connection whose peer reads nothing plateaus near 54 KiB here)
+CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long for copies to stop
+_instances = itertools.count()  # daemons made in this process (a second one needs its own pool name)
 
 
 class Daemon:
@@ -99,7 +105,13 @@ class Daemon:
         self.index.mirror = self.lookup_indexes
         self.gpu = self._start_gpu(config)
         self.notifier.status(f"binding {config.socket}")
+        try:
+            fd_headroom(config)
+        except ValueError as exc:
+            self._abort_start(str(exc))
         self.listener = Listener(config, owns_path=self._lock_fd is not None)
+        self.guard = ConnectionGuard(self.listener.router, self._lock_fd is not None and config.socket or "",
+                                     lambda: self.config)
         self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums else None,
                                  lambda: self.config, self.listener.send, Sessions.release_if_idle,
                                  self.counters, self.errors, self.housekeeping.latency)
@@ -203,6 +215,7 @@ class Daemon:
         poller.register(self.signals.fd, zmq.POLLIN)
         if self.remote is not None:  # probes, fetches and write-behind report here
             poller.register(self.remote.wakeup_fd, zmq.POLLIN)
+        poller.register(self.guard.fd, zmq.POLLIN)
         handover = self.listener.handover
         polled: set[int] = set()  # hand-over descriptors in the poller (they come and go)
         if ready:
@@ -232,6 +245,8 @@ class Daemon:
                 try:
                     if self.signals.fd in events:
                         self.signals.clear()
+                    if self.guard.fd in events:
+                        self.guard.on_events()  # before reading: a new connection is counted first
                     if self.listener.router in events:
                         self._read_requests()
                     if handover is not None:
@@ -246,6 +261,7 @@ class Daemon:
                         self.sessions.reap_dead()
                         if handover is not None:
                             handover.expire(time.monotonic())
+                        self.guard.expire(time.monotonic())
                     self._publish_events()
                 except Exception:  # a bug must not take every engine's cache down with it
                     log.exception("internal error in the daemon loop; continuing")
@@ -300,8 +316,15 @@ class Daemon:
                 raise DaemonError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
             if client is not None:
                 client.last_seen = time.monotonic()
+            if kind is m.Stats and unread_bytes(_srcfd(frames)) > UNREAD_LIMIT:
+                # A peer that does not read its replies must not make the daemon queue
+                # stats documents for it without bound: it gets none until it reads.
+                self.counters["stats_withheld"] += 1
+                return
             if kind is m.Hello:
-                reply = self.handlers.hello(client, msg, identity, req_id, self._peer(_srcfd(frames)))
+                srcfd = _srcfd(frames)
+                reply = self.handlers.hello(client, msg, identity, req_id, self._peer(srcfd))
+                self.guard.hello(srcfd)
             else:
                 reply = self.handlers.table[kind](client, msg, identity, req_id)
         except (ProtocolError, DaemonError) as exc:
@@ -376,6 +399,8 @@ class Daemon:
             self.remote.close()
         if self.lookup_indexes is not None:
             self.lookup_indexes.close()
+        if getattr(self, "guard", None) is not None:
+            self.guard.close()
         self.listener.close()
         if self.gpu is not None:
             self.gpu.close()  # unpin before the pool is unmapped
@@ -418,3 +443,15 @@ def _srcfd(frames) -> int:
         if fd >= 0:
             return fd
     return -1
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes sent on connection ``fd`` that the peer has not read yet (0 if
+    unknown). Read-only ioctl on libzmq's descriptor: a reused number at worst
+    gives a wrong count, never touches another connection."""
+    if fd < 0:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0

@@ -42,7 +42,7 @@ def daemon_stats(d: "Daemon", viewer=None) -> dict:
     lookups_blocks = totals["hits"] + totals["misses"]
     totals["hit_rate"] = totals["hits"] / lookups_blocks if lookups_blocks else 0.0
     for k in ("store_bytes", "load_bytes", "stores", "loads", "offload_bytes", "restore_bytes",
-              "offloads", "restores", "requests", "reaped", "cancelled"):
+              "offloads", "restores", "requests", "reaped", "cancelled", "stats_withheld"):
         totals[k] = d.counters[k]
     clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "tenant": c.tenant, "name": c.name,
                 "connected_s": round(time.time() - c.connected, 3),
@@ -61,9 +61,11 @@ def daemon_stats(d: "Daemon", viewer=None) -> dict:
                  "evictions": d.index.evictions, "policy": d.config.policy,
                  **_pin_stats(d.gpu)},
         "swap": {"bytes": d.swap.total_bytes, "max_bytes": d.swap.max_bytes,
+                 "pinned_slab_bytes": d.swap.pinned_slab_bytes,
                  "requests": len(d.swap.records)},
         "namespaces": namespaces, "clients": clients, "totals": totals,
         "errors": dict(d.errors),
+        "connections": {"open": len(d.guard.conns), "cut": d.guard.counters["connections_cut"]},
         "latency": d.housekeeping.latency.snapshot(),
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
         "remote": d.remote.stats() if d.remote is not None else {"enabled": False},

@@ -47,6 +47,14 @@ class SwapTable:
         self.records: dict[tuple[int, str], SwapRecord] = {}
         self._owner_bytes: dict[int, int] = {}
         self.total_bytes = 0
+        # Swap slots per slab. A slab holding one swap slot is pinned whole (no eviction
+        # there), so the pool-wide cap counts slabs, not block bytes: eight one-block
+        # swaps of eight block sizes once pinned eight slabs while "using" a few KiB.
+        self._slab_slots: dict[int, int] = {}
+
+    @property
+    def pinned_slab_bytes(self) -> int:
+        return len(self._slab_slots) * self.index.alloc_.slab_bytes
 
     def owner_bytes(self, owner: int) -> int:
         return self._owner_bytes.get(owner, 0)
@@ -75,6 +83,14 @@ class SwapTable:
                     self.index.free(o)
                 return None, "no_space"
             rec.offsets.append(off)
+        slab_of = self.index.alloc_.slab_of
+        new_slabs = {slab_of(o) for o in rec.offsets} - self._slab_slots.keys()
+        if (len(self._slab_slots) + len(new_slabs)) * self.index.alloc_.slab_bytes > self.max_bytes:
+            for o in rec.offsets:
+                self.index.free(o)
+            return None, "no_space"
+        for o in rec.offsets:
+            self._slab_slots[slab_of(o)] = self._slab_slots.get(slab_of(o), 0) + 1
         self.index.pinned_offsets.update(rec.offsets)
         self.records[(owner, request)] = rec
         self._account(owner, rec.nbytes)
@@ -127,6 +143,10 @@ class SwapTable:
         for off in rec.offsets:
             self.index.pinned_offsets.discard(off)
             self.index.free(off)
+            s = self.index.alloc_.slab_of(off)
+            self._slab_slots[s] -= 1
+            if not self._slab_slots[s]:
+                del self._slab_slots[s]
         self._account(rec.owner, -rec.nbytes)
 
     def _account(self, owner: int, delta: int) -> None:

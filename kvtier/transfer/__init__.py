@@ -11,9 +11,10 @@ format), ``runs`` (copy planning).
 
 from .layout import KVLayout
 from .mapping import open_specs
+from .adopt import adopt_tensors
 from .shm import KV_PREFIX, ShmKVCache, tensor_spec
 from .specs import DTYPES, SpecError, dtype_name
 from .worker import CopyWorker
 
-__all__ = ["DTYPES", "KV_PREFIX", "CopyWorker", "KVLayout", "ShmKVCache", "SpecError",
+__all__ = ["DTYPES", "KV_PREFIX", "CopyWorker", "KVLayout", "ShmKVCache", "SpecError", "adopt_tensors",
            "dtype_name", "open_specs", "tensor_spec"]

@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 
 from .shm import KV_PREFIX, SEALS, ShmKVCache
+from .specs import dtype_name
 
 _PAGE = mmap.PAGESIZE
 _PIECE = 64 << 20
@@ -52,7 +53,7 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # page tables now, not a fault per
 _FAILED = ctypes.c_void_p(-1).value
 
 
-class AdoptError(RuntimeError):
+class AdoptError(ValueError):
     """The tensors' memory could not be moved into shared memory."""
 
 
@@ -77,28 +78,32 @@ def adopt_tensors(tensors: Sequence[torch.Tensor]) -> ShmKVCache:
     tensors = list(tensors)
     if not tensors:
         raise AdoptError("adopt_tensors needs at least one tensor")
-    ranges: dict[int, tuple[int, int]] = {}  # page-aligned start -> (end, memfd offset)
+    spans = []  # page-rounded byte range of every storage
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            raise AdoptError(f"tensor {i}: only CPU tensors can be adopted (GPU caches: CudaKVCache)")
+            raise AdoptError(f"tensor {i}: adopt_tensors takes CPU tensors (GPU caches: CudaKVCache)")
+        if any(s < 0 for s in t.stride()):
+            raise AdoptError(f"tensor {i}: negative strides are not supported")
+        dtype_name(t.dtype)  # raises ValueError for dtypes the daemon cannot map
         st = t.untyped_storage()
-        lo = st.data_ptr() & ~(_PAGE - 1)
-        hi = -(-(st.data_ptr() + st.nbytes()) // _PAGE) * _PAGE
-        if lo in ranges:
-            continue
-        if any(lo < e and s < hi for s, (e, _) in ranges.items()):
-            raise AdoptError("tensors' storages overlap without being the same")
-        ranges[lo] = (hi, 0)
+        spans.append((st.data_ptr() & ~(_PAGE - 1), -(-(st.data_ptr() + max(st.nbytes(), 1)) // _PAGE) * _PAGE))
+    # Separate allocations may share a page: overlapping spans become one range
+    # (moving a page moves every byte on it, whoever owns them).
+    ranges: list[list[int]] = []  # [start, end, memfd offset], ascending, disjoint
+    for lo, hi in sorted(spans):
+        if ranges and lo <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], hi)
+        else:
+            ranges.append([lo, hi, 0])
     total = 0
-    for lo in sorted(ranges):
-        hi = ranges[lo][0]
-        ranges[lo] = (hi, total)
-        total += hi - lo
+    for r in ranges:
+        r[2] = total
+        total += r[1] - r[0]
     label = f"{KV_PREFIX}{os.getpid()}.a{next(_counter)}"
     fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, total)
-        for lo, (hi, off) in sorted(ranges.items()):
+        for lo, hi, off in ranges:
             for a in range(lo, hi, _PIECE):
                 _move(fd, a, min(hi, a + _PIECE) - a, off + a - lo)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
@@ -107,8 +112,8 @@ def adopt_tensors(tensors: Sequence[torch.Tensor]) -> ShmKVCache:
         raise
     offsets = []
     for t in tensors:
-        lo = t.untyped_storage().data_ptr() & ~(_PAGE - 1)
-        offsets.append(ranges[lo][1] + t.data_ptr() - lo)
+        lo, _, off = next(r for r in ranges if r[0] <= t.data_ptr() < r[1] or r[0] == t.data_ptr())
+        offsets.append(off + t.data_ptr() - lo)
     return ShmKVCache._adopted(_AdoptedMemory(fd, f"memfd:{label}", total), tensors, offsets)
 
 

@@ -2,7 +2,7 @@
 
 Shared by both sides: the engine builds specs (``shm.py``, ``cuda.py``), the
 daemon validates and maps them (``mapping.py``). A spec is a msgpack map:
-``kind`` ("shm" or "cuda"), dtype, shape, stride, the dimension that indexes
+``kind`` ("fd": memory handed over as a descriptor, or "cuda"), dtype, shape, stride, the dimension that indexes
 engine blocks, and where the memory is.
 
 Primitives: ``DTYPES``, ``dtype_name``, ``SpecError``, ``check_geometry``,

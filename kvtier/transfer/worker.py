@@ -1,19 +1,21 @@
 """Copy worker: runs block copies off the daemon's control-loop thread.
 
-Jobs start in submission order on background threads (torch releases the
-GIL during copies, so the loop keeps answering lookups); with several threads
-they may finish in any order. Each finished job is
-queued and a byte is written to a pipe whose read end the daemon's poller
-watches, so completions wake the loop without polling.
+Jobs run on background threads (torch releases the GIL during copies, so
+the loop keeps answering lookups), taken round-robin between owners (the
+daemon passes the client) and in submission order within one owner: a
+client with a hundred queued copies delays another client's next copy by
+one of them, not by all. With several threads jobs may finish in any order.
+Finished jobs go to an ``Inbox`` whose fd the daemon's poller watches, so
+completions wake the loop without polling.
 
-Primitives: ``submit(token, fn)``, ``completed() -> [(token, error)]``,
+Primitives: ``submit(token, fn, owner)``, ``completed() -> [(token, error)]``,
 ``wakeup_fd``, ``pending``, ``drain(timeout)``, ``close()``.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import OrderedDict, deque
 from typing import Any, Callable
 
 from ..waker import Inbox
@@ -21,7 +23,9 @@ from ..waker import Inbox
 
 class CopyWorker:
     def __init__(self, threads: int = 1):
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: OrderedDict[Any, deque] = OrderedDict()  # owner -> its jobs; next owner first
+        self._ready = threading.Condition()
+        self._closing = False
         self._done = Inbox()
         self._pending = 0
         self._idle = threading.Condition()
@@ -38,10 +42,27 @@ class CopyWorker:
     def pending(self) -> int:
         return self._pending
 
-    def submit(self, token: Any, fn: Callable[[], None]) -> None:
+    def submit(self, token: Any, fn: Callable[[], None], owner: Any = None) -> None:
         with self._idle:
             self._pending += 1
-        self._jobs.put((token, fn))
+        with self._ready:
+            self._jobs.setdefault(owner, deque()).append((token, fn))
+            self._ready.notify()
+
+    def _take(self):
+        """The next owner's oldest job (None once closing and empty)."""
+        with self._ready:
+            while not self._jobs:
+                if self._closing:
+                    return None
+                self._ready.wait()
+            owner, jobs = next(iter(self._jobs.items()))
+            item = jobs.popleft()
+            if jobs:
+                self._jobs.move_to_end(owner)  # the others go first next time
+            else:
+                del self._jobs[owner]
+            return item
 
     def completed(self) -> list[tuple[Any, BaseException | None]]:
         return self._done.take_all()
@@ -52,14 +73,15 @@ class CopyWorker:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._ready:
+            self._closing = True
+            self._ready.notify_all()
         for t in self._threads:
             t.join(timeout=10)
         self._done.close()
 
     def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
+        while (item := self._take()) is not None:
             token, fn = item
             error = None
             try:

@@ -45,7 +45,7 @@ def scrape_until(port, ok, timeout=5.0) -> dict:
 def test_metrics_reflect_traffic(daemon_factory):
     port = free_port()
     d = daemon_factory(extra=["--metrics", f"127.0.0.1:{port}"])
-    ns = {("namespace", NS.fingerprint())}
+    ns = {("namespace", NS.fingerprint()), ("tenant", f"uid{os.getuid()}")}
     kv = make_kv(seed=3)
     with d.client(name="engine") as c:
         c.register_kv_cache(kv, [0] * len(kv.tensors), NS)

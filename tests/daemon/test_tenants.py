@@ -127,3 +127,16 @@ def test_a_ticket_is_good_only_for_the_process_that_handed_the_memory_over(share
         with pytest.raises(KVTierError) as exc:  # and it was used up by the attempt
             c.channel.call(m.Register(NS.fingerprint(), kv.specs([0] * 4), ticket=ticket))
         assert "unknown or expired" in exc.value.message
+
+
+def test_unused_tickets_per_user_are_capped(shared_daemon):
+    """Handing memory over without registering it cannot pile descriptors up
+    in the daemon: a user holds at most 8 unused tickets."""
+    from kvtier.client import KVTierError
+    from kvtier.client.handover import hand_over
+    from tests.helpers import make_kv
+    kv = make_kv()
+    tickets = [hand_over(shared_daemon.socket, kv.fds()) for _ in range(8)]
+    with pytest.raises(KVTierError, match="too many unused tickets"):
+        hand_over(shared_daemon.socket, kv.fds())
+    assert len(set(tickets)) == 8

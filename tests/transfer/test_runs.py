@@ -144,3 +144,27 @@ def test_word_bytes_is_the_largest_common_power_of_two():
     assert word_bytes(np.array([0, 6])) == 2
     assert word_bytes(np.array([3])) == 1
     assert word_bytes(np.array([], dtype=np.int64)) == 8
+
+
+def test_copy_jobs_are_taken_round_robin_between_owners():
+    """A client with many queued copies delays another's next copy by one job,
+    not by all of them (fair scheduling between clients)."""
+    import threading
+
+    from kvtier.transfer.worker import CopyWorker
+    gate, running = threading.Event(), threading.Event()
+    order = []
+    worker = CopyWorker(1)
+    try:
+        worker.submit("block", lambda: (running.set(), gate.wait()), owner="hog")
+        assert running.wait(10)  # the only thread is busy while the rest is queued
+        for i in range(5):
+            worker.submit(f"hog-{i}", lambda i=i: order.append(f"hog-{i}"), owner="hog")
+        worker.submit("good-0", lambda: order.append("good-0"), owner="good")
+        worker.submit("good-1", lambda: order.append("good-1"), owner="good")
+        gate.set()
+        assert worker.drain(10)
+    finally:
+        worker.close()
+    # FIFO would run all five of the hog's first; round-robin alternates.
+    assert order == ["hog-0", "good-0", "hog-1", "good-1", "hog-2", "hog-3", "hog-4"]

@@ -1,0 +1,130 @@
+"""Connection bounds the ZeroMQ socket cannot enforce by itself.
+
+libzmq accepts every connection and has no cap; ~1,000 silent connections
+used to exhaust the daemon's descriptors until libzmq aborted. The guard
+watches the ROUTER's monitor (each accepted connection's fd), asks the
+kernel whose it is (``SO_PEERCRED``), and cuts (``shutdown``) a connection
+that is over the total or per-user cap, or that has not said HELLO by
+``hello_deadline_s``. libzmq then sees the hang-up and closes its fd.
+At startup ``fd_headroom`` raises the descriptor limit and refuses a limit
+too low for the configured caps.
+
+Primitives: ``ConnectionGuard(router, path, settings)``, ``.fd`` (poll it),
+``.on_events()``, ``.hello(fd)``, ``.expire(now)``, ``.close()``,
+``fd_headroom(config)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .config import DaemonConfig
+from .handover import MAX_FDS, MAX_PENDING, MAX_TICKETS
+from .peers import peer_of_fd
+
+log = logging.getLogger("kvtier.daemon")
+BASE_FDS = 256  # the daemon's own: pool, logs, CUDA, metrics, copy threads' wakeups, slack
+
+
+@dataclass
+class Conn:
+    uid: int | None
+    since: float
+    helloed: bool = False
+
+
+def fd_headroom(config: DaemonConfig) -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one; the limit, or an
+    error message when it cannot hold every connection and ticket we allow."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    need = config.max_connections + MAX_PENDING + MAX_TICKETS * MAX_FDS + BASE_FDS
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise ValueError(f"the descriptor limit ({soft}) cannot hold max_connections "
+                         f"({config.max_connections}) plus hand-overs; need {need}: raise LimitNOFILE "
+                         "or lower max_connections")
+    return soft
+
+
+class ConnectionGuard:
+    def __init__(self, router: zmq.Socket, path: str, settings: Callable[[], DaemonConfig]):
+        self.path, self.settings = path, settings
+        self.monitor = router.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.fd = self.monitor
+        self.conns: dict[int, Conn] = {}
+        self.counters: Counter = Counter()
+
+    def on_events(self) -> None:
+        while True:
+            try:
+                ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            fd = ev["value"]
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted(fd)
+            else:
+                self.conns.pop(fd, None)
+
+    def _accepted(self, fd: int) -> None:
+        config = self.settings()
+        peer = peer_of_fd(fd, self.path)
+        uid = peer.uid if peer is not None else None
+        conn = Conn(uid, time.monotonic())
+        self.conns[fd] = conn
+        mine = sum(1 for c in self.conns.values() if c.uid == uid)
+        if len(self.conns) > config.max_connections:
+            self._cut(fd, f"over max_connections ({config.max_connections})")
+        elif mine > config.max_connections_per_user:
+            self._cut(fd, f"uid {uid} over max_connections_per_user ({config.max_connections_per_user})")
+
+    def hello(self, fd: int) -> None:
+        # libzmq queues ACCEPTED at accept time, before the handshake that must
+        # precede any frame: reading the monitor now finds this connection.
+        self.on_events()
+        conn = self.conns.get(fd)
+        if conn is not None:
+            conn.helloed = True
+
+    def expire(self, now: float) -> None:
+        limit = self.settings().hello_deadline_s
+        for fd, conn in list(self.conns.items()):
+            if not conn.helloed and now - conn.since > limit:
+                self._cut(fd, f"no HELLO within {limit:g}s")
+
+    def _cut(self, fd: int, why: str) -> None:
+        """Hang up connection ``fd`` under libzmq (it closes its end on EOF)."""
+        self.conns.pop(fd, None)
+        self.counters["connections_cut"] += 1
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            return
+        try:
+            with socket.socket(fileno=dup) as s:
+                # The number may have been reused since the event: cut only our own kind.
+                if s.family == socket.AF_UNIX and s.getsockname() != self.path:
+                    return
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return
+        log.warning("closed a connection: %s", why)
+
+    def close(self) -> None:
+        self.monitor.close(0)
