@@ -84,6 +84,7 @@ class BlockIndex:
         self.alloc_ = allocator
         self.policy = policy if policy is not None else LRUPolicy()
         self.namespaces: dict[str, Bucket] = {}
+        self._next_ns = 0
         self.by_offset: dict[int, Entry] = {}  # prefix entries only, for slab eviction
         self.pinned_offsets: set[int] = set()  # offsets held outside the policy (swap)
         self.evictions = 0
@@ -100,7 +101,8 @@ class BlockIndex:
             raise ValueError(f"too many namespaces ({MAX_NAMESPACES}); flush or restart the daemon")
         if ns is None:
             cls = self.alloc_.add_class(block_bytes)
-            ns = Bucket(len(self.namespaces) + 1, fingerprint, block_bytes, cls)
+            self._next_ns += 1  # never reused, even after an empty namespace is forgotten
+            ns = Bucket(self._next_ns, fingerprint, block_bytes, cls)
             self.namespaces[fingerprint] = ns
         elif ns.block_bytes != block_bytes:
             raise ValueError(f"namespace {fingerprint!r} has {ns.block_bytes}-byte blocks, "

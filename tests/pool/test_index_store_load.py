@@ -209,3 +209,13 @@ def test_discard_drops_a_ready_unpinned_entry_only():
     assert present(ns, keys) == [True, False, True] and ns.ready_blocks() == 2
     idx.complete_load(pin)
     idx.check_integrity()
+
+
+def test_namespace_ids_are_never_reused_after_one_is_forgotten():
+    from kvtier.pool.allocator import SlabAllocator
+    from kvtier.pool.index import BlockIndex
+    idx = BlockIndex(SlabAllocator(4 << 20, 1 << 20))
+    a = idx.namespace("a", 4096)
+    del idx.namespaces["a"]  # what the daemon does with an empty, unregistered namespace
+    b = idx.namespace("b", 4096)
+    assert b.id != a.id
