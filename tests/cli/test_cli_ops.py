@@ -73,12 +73,15 @@ def test_top_json_rates_follow_traffic(daemon, engine, capsys):
     top = threading.Thread(target=lambda: result.update(code=main(
         ["top", "--socket", daemon.socket, "--json", "--iterations", "6", "--interval", "0.3"])))
     top.start()
-    time.sleep(0.45)  # after the first refresh or two
+    seen = ""  # what top printed so far (read while it runs)
+    while "{" not in seen and top.is_alive():  # the first frame is out: traffic starts after it
+        seen += capsys.readouterr().out
+        time.sleep(0.01)
     for i in range(8, 24, 4):
         assert engine.store(HASHES[i:i + 4], list(range(i, i + 4))).wait().done == 4
     top.join(30)
     assert result["code"] == 0
-    frames = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    frames = [json.loads(line) for line in (seen + capsys.readouterr().out).splitlines()]
     assert len(frames) == 6
     assert frames[0]["rates"] == {} and all(f["rates"] for f in frames[1:])
     assert frames[0]["totals"]["stored"] == 8 and frames[-1]["totals"]["stored"] == 24

@@ -8,6 +8,7 @@ import msgpack
 import zmq
 
 from tests.daemon.test_swap import prefix_chain
+from kvtier.client import Namespace
 from tests.helpers import NS, make_kv
 
 
@@ -20,22 +21,43 @@ def collect(sub, until_count: int, timeout: float = 5.0) -> list:
     return msgs
 
 
+PROBE = Namespace("subscription-probe", "float16", "flashinfer", 16)
+
+
+def wait_until_subscribed(d, sub, kv, timeout: float = 10.0) -> None:
+    """Store probe blocks until the subscriber sees one: subscriptions travel in
+    order, so the namespace's subscription (sent first) is in place too."""
+    deadline, i = time.monotonic() + timeout, 0
+    with d.client(name="probe") as c:
+        c.register_kv_cache(kv, [0] * 4, PROBE)
+        while time.monotonic() < deadline:
+            c.store([bytes([0xEE, i % 256]) * 8], [0]).wait()
+            i += 1
+            if sub.poll(50):
+                topic, _ = sub.recv_multipart()
+                assert topic.decode() == PROBE.fingerprint()
+                c.flush(PROBE)  # its removals are filtered out with the probe's topic
+                return
+    raise AssertionError("the event subscription never became live")
+
+
 def test_event_stream_reports_stores_evictions_and_flush_in_order(daemon_factory, tmp_path):
     events = "ipc://" + str(tmp_path / "events.sock")
     d = daemon_factory(pool_size="1MiB", slab_size="1MiB", extra=["--events", events])
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, NS.fingerprint().encode())  # one namespace only
+    sub.setsockopt(zmq.SUBSCRIBE, PROBE.fingerprint().encode())  # readiness probe, sent after it
     sub.connect(events)
-    time.sleep(0.3)  # PUB/SUB: let the subscription reach the daemon first
     kv = make_kv(seed=1)
+    wait_until_subscribed(d, sub, kv)
     chain = prefix_chain(80)
     with d.client() as c:
         c.register_kv_cache(kv, [0] * 4, NS)
         assert c.store(chain[:64], [i % 32 for i in range(64)]).wait().ok  # fills the pool
         assert c.store(chain[64:], [i % 32 for i in range(16)]).wait().ok  # evicts 16
         assert c.flush() == 64
-    msgs = collect(sub, 64 + 16 + 16 + 64)
+    msgs = [(t, b) for t, b in collect(sub, 64 + 16 + 16 + 64) if t != PROBE.fingerprint()]
     sub.close(0)
     assert {t for t, _ in msgs} == {NS.fingerprint()}
     seqs = [b["seq"] for _, b in msgs]

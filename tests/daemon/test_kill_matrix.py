@@ -44,7 +44,10 @@ def test_sigkill_at_every_point_returns_the_pool_to_baseline(daemon_factory, tmp
         ready = str(tmp_path / "ready")
         p, _ = spawn(engine_until, d.socket, point, ready)
         assert wait_for(lambda: os.path.exists(ready), 30)
-        time.sleep(0.05)  # the last request is on the wire / its copy has started
+        if point in ("mid-load", "mid-offload"):  # kill while its copy runs (each copy stalls 0.3 s;
+            # mid-store's blocks are all the survivor's already: skipped, nothing to copy)
+            assert wait_for(lambda: any(c["inflight"] for c in d.stats(check=False)["clients"]
+                                        if c["name"] != "survivor"), 10)
         os.kill(p.pid, signal.SIGKILL)
         killed = time.monotonic()
         p.join(10)
