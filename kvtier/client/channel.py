@@ -146,11 +146,13 @@ class Channel:
 
     def fail_all(self, reply, transfers_too: bool) -> None:
         with self.cv:
-            for rid in list(self.session.waiting):
-                if transfers_too or rid not in self.session.transfers:
-                    self.session.fail(rid, reply)
+            self.session.fail_waiting(reply, transfers_too)
             self._outbox.clear()
             self.cv.notify_all()
+
+    def pump(self, timeout: float) -> None:
+        """File whatever replies arrive within ``timeout`` (for their waiters)."""
+        self.poll_reply(0, timeout)  # request ids start at 1: this one never comes
 
     def poll_reply(self, req_id: int, timeout: float):
         """The reply for ``req_id`` if it arrives within ``timeout``, else None.

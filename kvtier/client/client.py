@@ -116,7 +116,7 @@ class Client:
         """Mark the daemon gone: waiters that may fail now resolve as failed."""
         gone = self.session.daemon.gone()
         if gone:  # its last answers may already sit in our socket: file them first
-            self.channel.poll_reply(-1, 0.0)
+            self.channel.pump(0.0)
         with self.channel.cv:
             was = self.session.lose(why, daemon_gone=gone)
             self.channel.cv.notify_all()
@@ -171,7 +171,7 @@ class Client:
             self.channel.cancel(rid)
         deadline = time.monotonic() + limit
         while pending and time.monotonic() < deadline and not self.session.daemon.gone():
-            self.channel.poll_reply(-1, 0.05)  # pump: replies are filed for their handles
+            self.channel.pump(0.05)  # replies are filed for their handles
             with self.channel.cv:
                 pending = [r for r in pending if r in self.session.waiting and r not in self.session.replies]
         if pending and not self.session.daemon.gone():

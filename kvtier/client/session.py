@@ -143,8 +143,12 @@ class Session:
         was = self.healthy
         self.healthy = False
         lost = m.Error(int(SESSION_LOST), f"daemon connection lost: {why}", "daemon")
-        free_all = daemon_gone or not self.daemon.known
-        for rid in self.waiting:
-            if free_all or rid not in self.transfers:
-                self.fail(rid, lost)
+        self.fail_waiting(lost, transfers_too=daemon_gone or not self.daemon.known)
         return was
+
+    def fail_waiting(self, reply, transfers_too: bool) -> None:
+        """Resolve every waiter with ``reply``; transfers only if ``transfers_too``
+        (nothing can touch their blocks any more)."""
+        for rid in self.waiting:
+            if transfers_too or rid not in self.transfers:
+                self.fail(rid, reply)

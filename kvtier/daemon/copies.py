@@ -12,7 +12,7 @@ deadline) is finished as failed: a store commits nothing, a load unpins and
 reports every block failed. Its reply is ``CANCELLED``; the client keeps the
 blocks held until that reply (or until the daemon process is gone).
 
-Primitives: ``CopyRunner.start(op)``, ``.cancel(op, why)``, ``.cancel_all(why)``,
+Primitives: ``CopyRunner.start(op)``, ``.cancel_all(why)`` (one op: ``op.cancel(why)``),
 ``.finish_completed()``, ``.pending``, ``.drain(timeout)``, ``.close()``.
 """
 
@@ -28,16 +28,13 @@ import torch
 
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
+from ..transfer.copy import Cancelled
 from ..transfer.worker import CopyWorker
 from .config import DaemonConfig
 from .latency import LatencyHistograms
 from .ops import CopyOp, StoreOp
 
 log = logging.getLogger("kvtier.daemon")
-
-
-class Cancelled(Exception):
-    """Raised inside a copy that saw its op's cancel flag."""
 
 
 class CopyRunner:
@@ -108,10 +105,6 @@ class CopyRunner:
         return copy
 
     # ---- cancel ----------------------------------------------------------------------
-    def cancel(self, op: CopyOp, why: str) -> None:
-        """Ask ``op``'s copy to stop at its next chunk; it is answered when it did."""
-        op.cancel(why)
-
     def cancel_all(self, why: str) -> int:
         for op in self.inflight:
             op.cancel(why)

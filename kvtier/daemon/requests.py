@@ -130,7 +130,7 @@ class RequestHandlers:
         reply follows when its copy has stopped (or had already finished)."""
         op = client.ops.get(msg.request)
         if op is not None:
-            self.copies.cancel(op, "cancelled by the client")
+            op.cancel("cancelled by the client")  # stops at its next chunk, then answered
         return m.Ok()
 
     # ---- management --------------------------------------------------------------------

@@ -115,8 +115,8 @@ class Daemon:
         self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums else None,
                                  lambda: self.config, self.listener.send, Sessions.release_if_idle,
                                  self.counters, self.errors, self.housekeeping.latency)
-        self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.copies.cancel,
-                                 self.counters, self.gpu, self.listener.handover, self.lookup_indexes)
+        self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.counters,
+                                 self.gpu, self.listener.handover, self.lookup_indexes)
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
         self.remote = self._start_remote(config)
         if self.remote is not None:

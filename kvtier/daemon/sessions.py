@@ -38,9 +38,8 @@ MAX_REGISTRATIONS = 64
 
 class Sessions:
     def __init__(self, settings: Callable[[], DaemonConfig], index: BlockIndex, swap: SwapTable,
-                 cancel: Callable[[object, str], None], counters: Counter, gpu=None, handover=None,
-                 lookup_indexes=None):
-        self.settings, self.index, self.swap, self.cancel = settings, index, swap, cancel
+                 counters: Counter, gpu=None, handover=None, lookup_indexes=None):
+        self.settings, self.index, self.swap = settings, index, swap
         self.counters, self.gpu, self.handover, self.lookup_indexes = counters, gpu, handover, lookup_indexes
         self.clients: dict[bytes, ClientState] = {}
         self._next_client = self._next_reg = 0
@@ -192,7 +191,7 @@ class Sessions:
         self.clients.pop(c.identity, None)
         caches = len(c.regs)
         for op in list(c.ops.values()):
-            self.cancel(op, "client " + why)
+            op.cancel("client " + why)
         for reg in list(c.regs.values()):
             self.close_registration(reg)
         n = self.swap.release_owner(c.id)

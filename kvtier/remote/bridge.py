@@ -27,7 +27,7 @@ from ..pool.index import READY, BlockIndex
 from ..protocol import messages as m
 from ..protocol.codec import encode
 from .settings import RemoteSettings
-from .tier import Job, RemoteTier
+from .tier import RemoteTier
 
 log = logging.getLogger("kvtier.remote")
 

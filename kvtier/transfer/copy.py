@@ -13,7 +13,8 @@ of more than ``runs.MAX_PIECES`` pieces) take the strided path: one
 The daemon calls it per chunk of pairs and checks for cancellation in between
 (``daemon/copies.py``); the CUDA path is ``gpu.py`` + ``gpu_copy.py``.
 
-Primitives: ``BlockCopier(layout).copy(pool_u8, pairs, to_pool)``, ``.copy_strided(...)``.
+Primitives: ``BlockCopier(layout).copy(pool_u8, pairs, to_pool)``, ``.copy_strided(...)``,
+``Cancelled``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ from .runs import pairs_array
 
 if TYPE_CHECKING:
     from .layout import KVLayout
+
+class Cancelled(Exception):
+    """A copy stopped because its op was cancelled (CPU: between chunks; CUDA:
+    before anything was queued). Not a failure to log: the op ends as cancelled."""
+
 
 class _Geometry(NamedTuple):
     moved: list

@@ -38,6 +38,7 @@ import time
 import torch
 
 from .gpu_copy import MethodChooser, RunCopier
+from .copy import Cancelled
 from .events import EventCache
 from .mapping import local_uuids
 from .pinning import PinnedPool
@@ -100,7 +101,7 @@ class CudaCopyEngine:
             if wait_handle:
                 wait_event_on_host(self._imported(wait_handle), FENCE_TIMEOUT_S, cancelled)
             if cancelled is not None and cancelled.is_set():
-                raise FenceTimeout("cancelled before the copy was queued")
+                raise Cancelled("cancelled before the copy was queued")
             slot, done, handle = self._done_event()
             with torch.cuda.stream(self.stream):
                 if self.runs is None:
@@ -163,7 +164,7 @@ def wait_event_on_host(event, timeout: float, cancelled: threading.Event | None 
     delay = 5e-6
     while not event.query():
         if cancelled is not None and cancelled.is_set():
-            raise FenceTimeout("cancelled while waiting for the worker's event")
+            raise Cancelled("cancelled while waiting for the worker's event")
         if time.monotonic() > deadline:
             raise FenceTimeout(f"worker event not done after {timeout:.0f}s (worker dead or hung)")
         time.sleep(delay)

@@ -5,7 +5,6 @@ and only for the namespace whose segment it was given."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 
 import pytest
@@ -87,7 +86,7 @@ def _flip(name: str, rounds: int, out) -> None:
     (each change is one write section: readers may only see 20 or 80)."""
     w_keys = chain("flip", 80)
     # Reopen the writer's table in this process: the test process owns the segment.
-    from kvtier.pool.shm_index import _Table, _Write
+    from kvtier.pool.shm_index import _Table
     from kvtier.pool.segment import ShmSegment
     seg = ShmSegment(name)
     t = _Table(seg.buffer, seg.size, name)

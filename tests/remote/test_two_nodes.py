@@ -10,7 +10,6 @@ import socket
 import time
 
 import pytest
-import torch
 
 from kvtier.client import block_hashes
 from kvtier.daemon.tenancy import ns_key
