@@ -5,6 +5,7 @@ Parts (each in its own module, each given what it needs):
   Listener    ROUTER/PUB sockets                       (listen.py)
   Sessions    clients, registrations, reaping          (sessions.py)
   CopyRunner  running copies, cancel, completion       (copies.py, ops.py)
+  Dispatcher       the one dispatch point               (dispatch.py)
   RequestHandlers  the dispatch table                  (requests.py)
   Housekeeping     systemd notify, reload, metrics     (housekeeping.py)
   RemoteBridge     optional Redis Cluster tier          (kvtier/remote)
@@ -27,11 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import fcntl
 import signal
-import socket
-import struct
-import termios
 import time
 from collections import Counter
 
@@ -46,29 +43,24 @@ from ..pool.policy import POLICIES
 from ..pool.segment import ShmSegment, cleanup_stale, unlink_segment
 from ..pool.sizes import format_size
 from ..pool.swap import SwapTable
-from ..protocol import messages as m
-from ..protocol.codec import decode
-from ..protocol.errors import ErrorCode, ProtocolError, side_of
+from ..protocol.errors import ErrorCode
 from ..waker import Waker
 from .config import DaemonConfig
 from .copies import CopyRunner
+from .dispatch import Dispatcher
 from .housekeeping import Housekeeping
 from .guard import ConnectionGuard, fd_headroom
 from .listen import HANDOVER_SUFFIX, Listener, StartupError, UnfitConfig, remove_our_socket, take_socket_lock
 from .lookup_index import STALE_PREFIX as INDEX_PREFIX
 from .lookup_index import LookupIndexes
-from .peers import peer_of_fd
-from .requests import REFUSED_WHILE_DRAINING, RequestHandlers
+from .requests import RequestHandlers
 from .sessions import Sessions
-from .state import DaemonError
 from .stats import daemon_stats
 from .tenancy import split_key
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
 POOL_PREFIX = "kvtier-pool."
-UNREAD_LIMIT = 32 * 1024  # bytes of replies a peer has not read: no more stats for it
-# (the kernel queue of a Unix connection whose peer reads nothing plateaus near 54 KiB here)
 CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long for copies to stop
 _instances = itertools.count()  # daemons made in this process (a second one needs its own pool name)
 
@@ -118,6 +110,8 @@ class Daemon:
         self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.counters,
                                  self.gpu, self.listener.handover, self.lookup_indexes)
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
+        self.dispatcher = Dispatcher(lambda: self.config, self.listener, self.sessions, self.handlers,
+                                     self.guard, lambda: self.stopping, self.counters, self.errors)
         self.remote = self._start_remote(config)
         if self.remote is not None:
             self.copies.on_commit = self.remote.committed  # write-behind of committed prefix blocks
@@ -178,7 +172,7 @@ class Daemon:
         a load at the dispatch point once the blocks it fetched are in the pool."""
         from ..remote.bridge import open_remote
         try:
-            return open_remote(config, self.segment.buffer, self.index, self.listener.send, self.handle,
+            return open_remote(config, self.segment.buffer, self.index, self.listener.send, self.dispatcher.handle,
                                self.copies.crcs if config.checksums else None)
         except ImportError as exc:
             self.shutdown()
@@ -248,7 +242,7 @@ class Daemon:
                     if self.guard.fd in events:
                         self.guard.on_events()  # before reading: a new connection is counted first
                     if self.listener.router in events:
-                        self._read_requests()
+                        self.dispatcher.read_requests()
                     if handover is not None:
                         for fd in polled.intersection(events):
                             handover.on_ready(fd)
@@ -276,91 +270,6 @@ class Daemon:
             log.exception("internal error in housekeeping; continuing")
             self.errors[ErrorCode.INTERNAL.name] += 1
             return 1.0
-
-    def _read_requests(self) -> None:
-        router = self.listener.router
-        for _ in range(256):  # bounded batch so completions and reaping stay timely
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                self.errors[ErrorCode.BAD_MESSAGE.name] += 1
-                log.warning("dropped message with %d frames (expected identity + 1)", len(frames))
-                if len(frames) > 2:
-                    self.listener.send(frames[0].bytes, 0, m.Error(ErrorCode.BAD_MESSAGE,
-                                                                   "expected exactly one frame", "client"))
-                continue
-            self.handle(frames[0].bytes, frames[1].bytes, frames)
-
-    def handle(self, identity: bytes, frame: bytes, frames=()) -> None:
-        """The one dispatch point: every request gets a reply or an error.
-        ``frames``: the received zmq frames (which connection sent a HELLO)."""
-        req_id = 0
-        client = self.sessions.clients.get(identity)
-        try:
-            try:
-                req_id, msg = decode(frame, self.config.max_message)
-            except ProtocolError as exc:
-                req_id = exc.request_id  # answer under the caller's id when it was readable
-                raise
-            self.counters["requests"] += 1
-            kind = type(msg)
-            if kind not in m.REQUESTS:
-                raise DaemonError(ErrorCode.UNKNOWN_OP, f"{msg.TAG!r} is not a request")
-            # Nothing but HELLO before HELLO: PING's NOT_CONNECTED answer tells a forgotten
-            # client to reconnect; stats and flush need to know who asks.
-            if client is None and kind is not m.Hello:
-                raise DaemonError(ErrorCode.NOT_CONNECTED, "say HELLO first")
-            if self.stopping and kind in REFUSED_WHILE_DRAINING:
-                raise DaemonError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
-            if client is not None:
-                client.last_seen = time.monotonic()
-            if kind is m.Stats and unread_bytes(_srcfd(frames)) > UNREAD_LIMIT:
-                # A peer that does not read its replies must not make the daemon queue
-                # stats documents for it without bound: it gets none until it reads.
-                self.counters["stats_withheld"] += 1
-                return
-            if kind is m.Hello:
-                srcfd = _srcfd(frames)
-                reply = self.handlers.hello(client, msg, identity, req_id, self._peer(srcfd))
-                self.guard.hello(srcfd)
-            else:
-                reply = self.handlers.table[kind](client, msg, identity, req_id)
-        except (ProtocolError, DaemonError) as exc:
-            reply = self._error(exc.code, exc.message, client)
-        except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("internal error handling a request from %r", client.id if client else identity)
-            reply = self._error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", client)
-        if reply is not None:
-            self.listener.send(identity, req_id, reply)
-
-    def _peer(self, srcfd: int):
-        """Kernel credentials of a local (Unix socket) connection; None for TCP.
-        A local connection that cannot be identified (already gone) is refused."""
-        if self.config.socket.startswith(("tcp://", "ipc://")) or srcfd is None or srcfd < 0:
-            peer = None
-        else:
-            peer = peer_of_fd(srcfd, self.config.socket)
-        if peer is None and not self._remote(srcfd):
-            raise DaemonError(ErrorCode.UNAUTHORIZED, "cannot identify this connection's process")
-        return peer
-
-    def _remote(self, srcfd: int) -> bool:
-        """True for a frame from the TCP endpoint (or a URL socket, where no
-        kernel credentials exist); those sessions are anonymous."""
-        if self.config.socket.startswith(("tcp://", "ipc://")):
-            return True
-        try:
-            with socket.socket(fileno=os.dup(srcfd)) as s:
-                return s.family in (socket.AF_INET, socket.AF_INET6)
-        except OSError:
-            return False
-
-    def _error(self, code: ErrorCode, message: str, client) -> m.Error:
-        self.errors[code.name] += 1
-        log.warning("error %s to client %s: %s", code.name, client.id if client else "-", message)
-        return m.Error(int(code), message, side_of(code))
 
     # ---- events --------------------------------------------------------------------------
     def _publish_events(self) -> None:
@@ -431,27 +340,3 @@ def _sync_poller(poller: zmq.Poller, polled: set[int], fds: list[int]) -> set[in
     for fd in want - polled:
         poller.register(fd, zmq.POLLIN)
     return want
-
-
-def _srcfd(frames) -> int:
-    """The connection a message came in on (-1 if libzmq cannot say)."""
-    for frame in frames:
-        try:
-            fd = frame.get(zmq.SRCFD)
-        except zmq.ZMQError:  # EINVAL for some frame kinds (e.g. empty ones)
-            continue
-        if fd >= 0:
-            return fd
-    return -1
-
-
-def unread_bytes(fd: int) -> int:
-    """Bytes sent on connection ``fd`` that the peer has not read yet (0 if
-    unknown). Read-only ioctl on libzmq's descriptor: a reused number at worst
-    gives a wrong count, never touches another connection."""
-    if fd < 0:
-        return 0
-    try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0

@@ -7,17 +7,29 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..protocol.messages import PROTOCOL_VERSION
 from ..pool.index import STAT_KEYS
 from .tenancy import split_key
 
-if TYPE_CHECKING:
-    from .server import Daemon
+class StatsSource(Protocol):
+    """What the document is read from: the daemon's parts (stats looks down at
+    them; the daemon composes them and hands itself over as this)."""
+    index: object
+    sessions: object
+    swap: object
+    guard: object
+    housekeeping: object
+    gpu: object
+    remote: object
+    config: object
+    counters: dict
+    errors: dict
+    started: float
 
 
-def daemon_stats(d: "Daemon", viewer=None) -> dict:
+def daemon_stats(d: StatsSource, viewer=None) -> dict:
     """The document, built fresh from the daemon's parts (never mutated later).
 
     ``viewer`` is the asking client: unless it is an admin it sees only its

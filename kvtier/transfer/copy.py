@@ -13,28 +13,31 @@ of more than ``runs.MAX_PIECES`` pieces) take the strided path: one
 The daemon calls it per chunk of pairs and checks for cancellation in between
 (``daemon/copies.py``); the CUDA path is ``gpu.py`` + ``gpu_copy.py``.
 
-Primitives: ``BlockCopier(layout).copy(pool_u8, pairs, to_pool)``, ``.copy_strided(...)``,
+Primitives: ``BlockCopier(CopyShape(...)).copy(pool_u8, pairs, to_pool)``, ``.copy_strided(...)``,
 ``Cancelled``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .runs import pairs_array
 
-if TYPE_CHECKING:
-    from .layout import KVLayout
 
 class Cancelled(Exception):
     """A copy stopped because its op was cancelled (CPU: between chunks; CUDA:
     before anything was queued). Not a failure to log: the op ends as cancelled."""
 
 
-class _Geometry(NamedTuple):
+class CopyShape(NamedTuple):
+    """What the routine needs of a registered cache (``layout.KVLayout`` makes
+    it): the engine tensors with their block dim first, their row plans
+    (``runs.Geometry``; None: strided path only) and byte sizes per block.
+    Not the layout itself: no reference cycle, so dropping a registration's
+    layout unmaps its memory at once."""
     moved: list
     geometry: object
     engine_block_bytes: int
@@ -47,11 +50,8 @@ CHUNK_BYTES = 512 << 10     # temporary per gather/scatter step
 
 
 class BlockCopier:
-    def __init__(self, layout: "KVLayout"):
-        # What it needs of the layout, not the layout itself: no reference cycle,
-        # so dropping a registration's layout unmaps its memory at once.
-        self.layout = _Geometry(layout.moved, layout.geometry, layout.engine_block_bytes,
-                                layout.sub_bytes, layout.tensor_offsets)
+    def __init__(self, layout: CopyShape):
+        self.layout = layout
         # Blocks that are one contiguous byte run are copied as raw bytes.
         self.flat = [_byte_view(m) if m[0].is_contiguous() else None for m in layout.moved]
         self._storage = [_storage_numpy(m) for m in layout.moved] if layout.geometry is not None else None

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .copy import BlockCopier
+from .copy import BlockCopier, CopyShape
 from .runs import Geometry
 
 
@@ -53,7 +53,8 @@ class KVLayout:
         # Row plans need CPU tensors (numpy views) and a geometry with few pieces per block.
         cpu = all(m.device.type == "cpu" for m in moved)
         self.geometry = Geometry.of(self) if cpu else None
-        self.copier = BlockCopier(self)
+        self.copier = BlockCopier(CopyShape(moved, self.geometry, self.engine_block_bytes,
+                                            self.sub_bytes, self.tensor_offsets))
 
     def pairs(self, offsets: list, engine_ids: np.ndarray, skip: int = 0) -> list[tuple[int, int]]:
         """(pool offset, engine id) per engine block; ``None`` offsets are skipped.
