@@ -120,7 +120,7 @@ def render_clients(rows: list[dict]) -> str:
     lines = [f"{'ID':>5} {'PID':>8} {'NAME':<20} {'CONNECTED':>10} {'INFLIGHT':>8} {'SWAP':>12} "
              f"{'QUOTA':>12}  NAMESPACES"]
     for c in rows:
-        quota = format_size(c["swap_quota"]) if c["swap_quota"] else "-"
+        quota = format_size(c["swap_quota"]) if c["swap_quota"] is not None else "-"  # null: no cap
         lines.append(f"{c['id']:>5} {c['pid']:>8} {c['name'][:20]:<20} {c['connected_s']:>9.0f}s "
                      f"{c['inflight']:>8} {format_size(c['swap_bytes']):>12} {quota:>12}  "
                      f"{', '.join(c['namespaces']) or '-'}")

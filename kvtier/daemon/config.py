@@ -47,6 +47,7 @@ class DaemonConfig:
     copy_chunk_bytes: int = 16 * 2**20    # a cancelled copy stops within one chunk
     drain_timeout_s: float = 30.0   # SIGTERM: copies still running after this are cancelled
     lookup_index: bool = False      # mirror ready hashes in shm: same-user clients look up without a round trip
+    lookup_index_share: float = 0.0625  # /dev/shm the mirrors may take together, as a share of pool_size
     swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off
@@ -74,6 +75,8 @@ class DaemonConfig:
     hello_deadline_s: float = 10.0  # a connection that has not said HELLO by then is closed
     max_namespaces_per_user: int = 64  # per tenant; empty, unregistered namespaces are forgotten
     max_copy_pieces: int = 1 << 20  # separate copies one transfer may cost (~2 us each): blocks x tensors
+    max_transfers_per_user: int = 1024  # transfers in flight from one Unix user (all its connections)
+    max_pieces_in_flight_per_user: int = 1 << 22  # copy pieces those transfers hold (>= max_copy_pieces)
 
     def __post_init__(self):
         def bad(key, why):
@@ -103,6 +106,8 @@ class DaemonConfig:
             bad("copy_threads", "must be in [1, 64]")
         if self.swap_quota < 0:
             bad("swap_quota", "must be >= 0")
+        if not 0 < self.lookup_index_share <= 0.5:
+            bad("lookup_index_share", "must be in (0, 0.5]")
         if not 0 <= self.swap_max <= 1:
             bad("swap_max", "must be in [0, 1]")
         for key in ("socket_mode", "shm_mode"):
@@ -131,9 +136,14 @@ class DaemonConfig:
         if self.admin_group and admin_gid(self.admin_group) is None:
             bad("admin_group", f"no group {self.admin_group!r}")
         for key, lo, hi in (("max_connections", 1, 1 << 20), ("max_connections_per_user", 1, 1 << 20),
-                            ("max_namespaces_per_user", 1, 4096), ("max_copy_pieces", 1, 1 << 30)):
+                            ("max_namespaces_per_user", 1, 4096), ("max_copy_pieces", 1, 1 << 30),
+                            ("max_transfers_per_user", 1, 1 << 20),
+                            ("max_pieces_in_flight_per_user", 1, 1 << 32)):
             if not isinstance(getattr(self, key), int) or not lo <= getattr(self, key) <= hi:
                 bad(key, f"must be an int in [{lo}, {hi}]")
+        if self.max_pieces_in_flight_per_user < self.max_copy_pieces:
+            bad("max_pieces_in_flight_per_user", f"must be at least max_copy_pieces ({self.max_copy_pieces}): "
+                "one transfer alone must always fit")
         if not 0 < self.hello_deadline_s <= MAX_PERIOD_S:
             bad("hello_deadline_s", f"must be > 0 and at most {MAX_PERIOD_S:.0f} seconds")
         if self.metrics and metrics_address(self.metrics) is None:

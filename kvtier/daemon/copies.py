@@ -12,8 +12,15 @@ deadline) is finished as failed: a store commits nothing, a load unpins and
 reports every block failed. Its reply is ``CANCELLED``; the client keeps the
 blocks held until that reply (or until the daemon process is gone).
 
-Primitives: ``CopyRunner.start(op)``, ``.cancel_all(why)`` (one op: ``op.cancel(why)``),
-``.finish_completed()``, ``.pending``, ``.drain(timeout)``, ``.close()``.
+Bounds: one Unix user (all its connections together) has at most
+``max_transfers_per_user`` transfers and ``max_pieces_in_flight_per_user``
+copy pieces in flight; more are refused with ``OVER_LIMIT`` before their
+copy is queued (what a queued op holds - its pairs, pins, reserved slots -
+is what used to grow the daemon without bound).
+
+Primitives: ``CopyRunner.admit(client)``, ``.over_limit(op)``, ``.start(op)``,
+``.cancel_all(why)`` (one op: ``op.cancel(why)``), ``.finish_completed()``,
+``.pending``, ``.user_load(uid)``, ``.drain(timeout)``, ``.close()``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from ..transfer.worker import CopyWorker
 from .config import DaemonConfig
 from .latency import LatencyHistograms
 from .ops import CopyOp, StoreOp
+from .state import ClientState, DaemonError
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -47,6 +55,7 @@ class CopyRunner:
         self.worker = CopyWorker(settings().copy_threads)
         self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
         self.inflight: set[CopyOp] = set()
+        self._by_user: dict[int | None, list[int]] = {}  # uid (None: TCP) -> [transfers, pieces] in flight
         self.on_commit: Callable[[object], None] | None = None  # a store's plan, once committed
 
     @property
@@ -57,8 +66,33 @@ class CopyRunner:
     def pending(self) -> int:
         return len(self.inflight)
 
+    def user_load(self, uid: int | None) -> tuple[int, int]:
+        """(transfers, copy pieces) in flight for ``uid``."""
+        return tuple(self._by_user.get(uid, (0, 0)))
+
+    # ---- admission ---------------------------------------------------------------------
+    def admit(self, client: ClientState) -> None:
+        """Refuse a new transfer before anything is reserved for it when the
+        client's user has ``max_transfers_per_user`` in flight."""
+        cap = self.settings().max_transfers_per_user
+        if self.user_load(client.uid)[0] >= cap:
+            raise DaemonError(ErrorCode.OVER_LIMIT, f"{cap} transfers of this user are in flight "
+                              "(max_transfers_per_user); wait for some to finish")
+
+    def over_limit(self, op: CopyOp) -> str:
+        """Why a prepared ``op`` may not start now ("" if it may)."""
+        cap = self.settings().max_pieces_in_flight_per_user
+        transfers, pieces = self.user_load(op.client.uid)
+        if transfers and pieces + op.pieces > cap:  # alone, any transfer fits (config checks it)
+            return (f"{pieces} copy pieces of this user are in flight, this transfer adds {op.pieces} "
+                    f"(max_pieces_in_flight_per_user {cap}); wait for some to finish")
+        return ""
+
     # ---- start -----------------------------------------------------------------------
     def start(self, op: CopyOp) -> None:
+        load = self._by_user.setdefault(op.client.uid, [0, 0])
+        load[0] += 1
+        load[1] += op.pieces
         op.reg.inflight += 1
         op.client.ops[op.request_id] = op
         self.inflight.add(op)
@@ -118,6 +152,11 @@ class CopyRunner:
     def _complete(self, op: CopyOp, error: BaseException | None) -> None:
         """The one place an op ends: its copy has returned, nothing touches its blocks now."""
         self.inflight.discard(op)
+        load = self._by_user[op.client.uid]
+        load[0] -= 1
+        load[1] -= op.pieces
+        if not load[0]:
+            del self._by_user[op.client.uid]
         op.client.ops.pop(op.request_id, None)
         op.reg.inflight -= 1
         self.latency.observe(op.label, time.monotonic() - op.started)

@@ -44,6 +44,7 @@ class CopyOp:
         self.client, self.reg, self.request_id = client, reg, request_id
         self.pairs = pairs
         self.nbytes = len(pairs) * reg.layout.engine_block_bytes
+        self.pieces = len(pairs) * len(reg.layout.moved)  # copy calls: what the in-flight cap counts
         self.started = time.monotonic()
         self.fence = fence              # CUDA: the worker's event to wait on before copying
         self.done_event = b""           # CUDA: this op's "copy finished" event (IPC handle)
@@ -76,7 +77,7 @@ class StoreOp(CopyOp):
     @classmethod
     def prepare(cls, index: BlockIndex, client: ClientState, reg: Registration, request_id: int, msg: m.Store):
         fence = check_fence(reg, msg.event)
-        keys = check_keys(msg.hashes)
+        keys = check_unique_keys(check_keys(msg.hashes))
         ids = check_ids(reg, msg.blocks, len(keys) * reg.layout.block_factor)
         plan = index.prepare_store(reg.ns, keys)
         pairs = reg.layout.pairs([e.offset if e is not None else None for e in plan.entries], ids)
@@ -111,7 +112,8 @@ class LoadOp(CopyOp):
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"skip must be in [0, {k})")
         if msg.skip and not keys:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "skip needs at least one hash")
-        return fence, check_ids(reg, msg.blocks, len(keys) * k - msg.skip)
+        check_unique_keys(keys)
+        return fence, check_ids(reg, msg.blocks, len(keys) * k - msg.skip, writes=True)
 
     @classmethod
     def prepare(cls, index: BlockIndex, client: ClientState, reg: Registration, request_id: int, msg: m.Load):
@@ -188,6 +190,7 @@ class RestoreOp(CopyOp):
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many block ids")
         ids = unpack_ids(msg.blocks)
         check_pieces(reg, len(ids))
+        check_unique_ids(ids)
         rec = swap.records.get((client.id, msg.request))
         if rec is None or rec.ns is not reg.ns:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"no swapped request {msg.request[:64]!r}")
@@ -232,6 +235,21 @@ def check_keys(hashes: bytes) -> list[bytes]:
     return unpack_hashes(hashes)
 
 
+def check_unique_keys(keys: list[bytes]) -> list[bytes]:
+    """One hash twice in one store or load is never meaningful (a chain's
+    hashes differ by construction) but pins one block once per copy: refused."""
+    if len(set(keys)) != len(keys):
+        raise DaemonError(ErrorCode.BAD_ARGUMENT, "a hash appears twice in one request")
+    return keys
+
+
+def check_unique_ids(ids: np.ndarray) -> None:
+    """One engine block written twice by one load or restore: refused (a store
+    may read one block for several hashes; reading costs the engine nothing)."""
+    if len(ids) > 1 and len(np.unique(ids)) != len(ids):
+        raise DaemonError(ErrorCode.BAD_ARGUMENT, "an engine block id appears twice in one request")
+
+
 def check_pieces(reg: Registration, engine_blocks: int) -> None:
     """The copy thread's cost is per piece (one copy call per tensor per engine
     block), not per byte: 4,096 aliased 1-byte tensors cost 4,096 calls a block."""
@@ -241,13 +259,16 @@ def check_pieces(reg: Registration, engine_blocks: int) -> None:
                           f"(max {reg.max_copy_pieces}); send fewer blocks per call")
 
 
-def check_ids(reg: Registration, blocks: bytes, expected: int) -> np.ndarray:
+def check_ids(reg: Registration, blocks: bytes, expected: int, writes: bool = False) -> np.ndarray:
+    """``writes``: the transfer writes these engine blocks (a load), so each may appear once."""
     if len(blocks) > 4 * MAX_BLOCKS_PER_OP * reg.layout.block_factor:  # before unpacking anything
         raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many block ids")
     ids = unpack_ids(blocks)
     check_pieces(reg, len(ids))
     if len(ids) != expected:
         raise DaemonError(ErrorCode.BAD_ARGUMENT, f"expected {expected} block ids, got {len(ids)}")
+    if writes:
+        check_unique_ids(ids)
     why = reg.layout.check_ids(ids)
     if why:
         raise DaemonError(ErrorCode.BAD_ARGUMENT, why)

@@ -91,10 +91,12 @@ class RequestHandlers:
 
     def store(self, client: ClientState, msg: m.Store, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
+        self.copies.admit(client)
         return self._run(StoreOp.prepare(self.index, client, reg, req_id, msg))
 
     def load(self, client: ClientState, msg: m.Load, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
+        self.copies.admit(client)
         if self.remote is not None and not msg.prefix and self.remote_fetch(reg, msg, identity, req_id):
             return None  # the load runs again here once the fetched blocks are in the pool
         return self._run(LoadOp.prepare(self.index, client, reg, req_id, msg))
@@ -106,16 +108,22 @@ class RequestHandlers:
 
     def offload(self, client: ClientState, msg: m.Offload, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
+        self.copies.admit(client)
         return self._run(OffloadOp.prepare(self.swap, client, reg, req_id, msg))
 
     def restore(self, client: ClientState, msg: m.Restore, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
+        self.copies.admit(client)
         return self._run(RestoreOp.prepare(self.swap, client, reg, req_id, msg))
 
     def _run(self, prepared):
         """An op starts its copy (reply later); a reply means nothing to copy."""
         if isinstance(prepared, m.TransferDone):
             return prepared
+        why = self.copies.over_limit(prepared)
+        if why:
+            prepared.finish(True)  # give back what it reserved; nothing was copied
+            raise DaemonError(ErrorCode.OVER_LIMIT, why)
         self.copies.start(prepared)
         return None
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import platform
 import signal
 import time
 from collections import Counter
@@ -41,6 +42,7 @@ from ..pool.allocator import SlabAllocator
 from ..pool.index import BlockIndex
 from ..pool.policy import POLICIES
 from ..pool.segment import ShmSegment, cleanup_stale, unlink_segment
+from ..pool.shm_index import seqlock_safe
 from ..pool.sizes import format_size
 from ..pool.swap import SwapTable
 from ..protocol.errors import ErrorCode
@@ -93,7 +95,7 @@ class Daemon:
         self.index.record_events = bool(config.events)
         self.event_seq = 0  # last block-event message number published
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
-        self.lookup_indexes = LookupIndexes(config.pool_size) if config.lookup_index else None
+        self.lookup_indexes = self._start_lookup_indexes(config)
         self.index.mirror = self.lookup_indexes
         self.gpu = self._start_gpu(config)
         self.notifier.status(f"binding {config.socket}")
@@ -138,10 +140,23 @@ class Daemon:
     def _check_ram(config: DaemonConfig) -> None:
         avail = psutil.virtual_memory().available
         limit = int(avail * config.ram_fraction)
-        if config.pool_size > limit:
+        # The lookup mirrors live in /dev/shm next to the pool: their budget counts too.
+        need = config.pool_size + (int(config.pool_size * config.lookup_index_share) if config.lookup_index else 0)
+        if need > limit:
             raise UnfitConfig(
-                f"pool size {format_size(config.pool_size)} exceeds {config.ram_fraction:.0%} "
-                f"of available RAM ({format_size(avail)}); lower pool_size or raise ram_fraction")
+                f"pool size {format_size(config.pool_size)} (with lookup mirrors {format_size(need)}) exceeds "
+                f"{config.ram_fraction:.0%} of available RAM ({format_size(avail)}); lower pool_size or "
+                "raise ram_fraction")
+
+    @staticmethod
+    def _start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:
+        if not config.lookup_index:
+            return None
+        if not seqlock_safe():
+            log.warning("lookup_index is on but this CPU (%s) lacks x86 memory ordering, which the "
+                        "mirror's readers need: lookups go over the socket", platform.machine())
+            return None
+        return LookupIndexes(config.pool_size, int(config.pool_size * config.lookup_index_share))
 
     def _start_gpu(self, config: DaemonConfig):
         """The CUDA data path (pins the pool in the background), or None.

@@ -36,6 +36,13 @@ log = logging.getLogger("kvtier.daemon")
 MAX_REGISTRATIONS = 64
 
 
+def operator_quota(config: DaemonConfig) -> int | float:
+    """The operator's per-client swap cap in bytes (their ``swap_quota = 0``:
+    none, so infinity); a client's own quota is the minimum of both, and its
+    0 means no swap at all."""
+    return config.swap_quota or float("inf")
+
+
 class Sessions:
     def __init__(self, settings: Callable[[], DaemonConfig], index: BlockIndex, swap: SwapTable,
                  counters: Counter, gpu=None, handover=None, lookup_indexes=None):
@@ -63,7 +70,7 @@ class Sessions:
         start = process_start(pid) if pid > 0 else None
         tenant, admin = identify(peer, config)
         self._next_client += 1
-        c = ClientState(self._next_client, identity, pid, msg.name[:128], start, swap_quota=config.swap_quota,
+        c = ClientState(self._next_client, identity, pid, msg.name[:128], start, swap_quota=operator_quota(config),
                         peer=peer, tenant=tenant, admin=admin)
         self.clients[identity] = c
         log.info("client %d connected: pid=%d uid=%s tenant=%s%s name=%r", c.id, c.pid, c.uid, tenant,
@@ -125,8 +132,8 @@ class Sessions:
         reg = Registration(self._next_reg, client, ns, layout, segments, copier,
                            max_copy_pieces=config.max_copy_pieces)
         client.regs[reg.id] = reg
-        if msg.swap_quota >= 0:  # a client may lower its quota, never raise it past the operator's
-            client.swap_quota = min(msg.swap_quota, config.swap_quota) if config.swap_quota else msg.swap_quota
+        if msg.swap_quota >= 0:  # a client may lower its quota (0: no swap), never raise it past the operator's
+            client.swap_quota = min(msg.swap_quota, operator_quota(config))
         log.info("client %d registered cache %d: namespace=%r block=%d bytes x %d blocks",
                  client.id, reg.id, msg.namespace, layout.block_bytes, layout.num_blocks)
         mirror = self.lookup_indexes.segment_for(ns) if self.lookup_indexes is not None else ""
@@ -169,7 +176,9 @@ class Sessions:
         used.update(rec.ns for rec in self.swap.records.values())
         idle = [k for k, ns in self.index.namespaces.items() if not ns.entries and ns not in used]
         for k in idle:
-            del self.index.namespaces[k]
+            ns = self.index.namespaces.pop(k)
+            if self.lookup_indexes is not None:  # its mirror table goes with it
+                self.lookup_indexes.forget(ns)
         return len(idle)
 
     # ---- reaping -------------------------------------------------------------------------

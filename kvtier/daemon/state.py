@@ -45,7 +45,7 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     regs: dict = field(default_factory=dict)
     ops: dict = field(default_factory=dict)   # request id -> CopyOp in flight
-    swap_quota: int = 0               # bytes; 0 = only the pool-wide swap cap applies
+    swap_quota: int | float = float("inf")  # bytes (0: no swap); inf: only the pool-wide cap applies
     peer: Any = None                  # kernel credentials (peers.Peer); None: remote (TCP)
     tenant: str = "remote"            # who owns the namespaces this client creates
     admin: bool = False               # may flush and see every tenant

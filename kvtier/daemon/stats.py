@@ -23,6 +23,7 @@ class StatsSource(Protocol):
     housekeeping: object
     gpu: object
     remote: object
+    lookup_indexes: object
     config: object
     counters: dict
     errors: dict
@@ -60,7 +61,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
                 "connected_s": round(time.time() - c.connected, 3),
                 "namespaces": sorted({split_key(r.ns.fingerprint)[1] for r in c.regs.values()}),
                 "inflight": len(c.ops), "swap_bytes": d.swap.owner_bytes(c.id),
-                "swap_quota": c.swap_quota, "swap_requests": d.swap.owner_requests(c.id)}
+                "swap_quota": c.swap_quota if c.swap_quota != float("inf") else None, "swap_requests": d.swap.owner_requests(c.id)}
                for c in d.sessions.clients.values() if everything or c.tenant == viewer.tenant]
     return {
         "version": PROTOCOL_VERSION, "pid": os.getpid(),
@@ -81,7 +82,15 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "latency": d.housekeeping.latency.snapshot(),
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
         "remote": d.remote.stats() if d.remote is not None else {"enabled": False},
+        "lookup_index": _mirror_stats(d.lookup_indexes),
     }
+
+
+def _mirror_stats(mirrors) -> dict:
+    if mirrors is None:
+        return {"enabled": False}
+    return {"enabled": True, "tables": mirrors.tables, "bytes": mirrors.bytes,
+            "budget_bytes": mirrors.budget, "refused": mirrors.refused}
 
 
 def _pin_stats(gpu) -> dict:

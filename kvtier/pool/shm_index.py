@@ -10,15 +10,17 @@ makes it even; a reader reads it, probes, reads it again and retries when it
 was odd or moved. Readers never block the writer, and a reader that keeps
 losing the race (or finds the table overflowed) gets None: ask the daemon.
 This relies on x86 keeping stores in order and loads in order (numpy gives no
-fences); on other CPUs readers must use the socket.
+fences): on other CPUs a reader refuses to open (``SegmentError``, so the
+client asks over the socket) and the daemon does not build mirrors at all.
 
 Tenancy: one segment per namespace, named with a random token that the daemon
 hands only to clients registered in that namespace, mode 0600 (or the pool's
 group mode), so a client can only read the namespaces it may see.
 
-Bounded work for hostile keys: an insert that would probe more than
-``MAX_PROBE`` buckets marks the table overflowed (readers fall back to the
-daemon) instead of growing probe chains.
+Bounded work for hostile keys: an insert that would land past the
+``MAX_PROBE`` buckets a lookup probes marks the table overflowed (readers
+fall back to the daemon) instead of growing probe chains - a key stored
+where no lookup looks would be never found and never removed.
 
 Layout: a 64-byte header of uint64 words (magic, capacity, seq, count,
 tombstones, flags), then ``capacity`` uint64 (each hash's first 8 bytes), as
@@ -27,7 +29,7 @@ tombstone). Slots come in buckets of ``BUCKET``.
 
 Primitives: ``ShmIndexWriter(name, capacity).add(hashes)``, ``.remove(hashes)``,
 ``.clear()``, ``.close()``; ``ShmIndexReader(name).ready_prefix(packed) -> int | None``,
-``.close()``; ``segment_name(token)``. ``hashes`` are 16-byte digests (a list or
+``.close()``; ``segment_name(token)``, ``table_bytes(max_keys)``, ``seqlock_safe()``. ``hashes`` are 16-byte digests (a list or
 packed bytes).
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import secrets
 
 import numpy as np
@@ -53,6 +56,13 @@ MAX_PROBE = 8           # buckets probed at most: longer means the table is host
 MAX_LOAD = 0.5          # ready keys per slot before the table counts as overflowed
 READ_RETRIES = 64       # seqlock retries before a reader gives up (asks the daemon)
 PREFIX = "kvtier-ix."
+X86 = ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
+
+
+def seqlock_safe(machine: str | None = None) -> bool:
+    """Whether this CPU keeps stores and loads in order (x86 TSO), which the
+    fence-less seqlock needs; ``machine`` defaults to this one's."""
+    return (machine if machine is not None else platform.machine()).lower() in X86
 
 
 def segment_name(token: str | None = None) -> str:
@@ -146,6 +156,11 @@ def _size(capacity: int) -> int:
     return HEADER_WORDS * 8 + 17 * capacity
 
 
+def table_bytes(max_keys: int) -> int:
+    """Bytes of the segment a writer for ``max_keys`` makes."""
+    return _size(_capacity(int(max_keys / MAX_LOAD) + 1))
+
+
 class ShmIndexWriter:
     """Daemon side: owns the segment, mirrors adds and removals under the seqlock."""
 
@@ -221,7 +236,9 @@ class ShmIndexWriter:
             t.state[slot] = READY
             t.header[COUNT_W] += np.uint64(len(won))
             hops[full] += 1
-            if (hops > MAX_PROBE).any():
+            # Lookups probe buckets home .. home + MAX_PROBE - 1: a key placed
+            # further on would be found by nobody and removed by nobody.
+            if (hops >= MAX_PROBE).any():
                 t.header[FLAGS_W] |= np.uint64(OVERFLOW)  # a chain too long: stop serving
                 return
             bucket = np.where(full, (bucket + 1) % nb, bucket)
@@ -261,7 +278,10 @@ class _Write:
 class ShmIndexReader:
     """Client side: answers ready prefixes from the mapped table, or None."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, machine: str | None = None):
+        if not seqlock_safe(machine):
+            raise SegmentError(f"index segment {name}: its seqlock needs x86 memory ordering, "
+                               f"this CPU is {machine or platform.machine()}")
         # Mapped read-only: a client cannot write the table other clients read.
         try:
             shm = posix_ipc.SharedMemory(name, read_only=True)

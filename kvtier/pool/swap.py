@@ -63,7 +63,7 @@ class SwapTable:
         return sum(1 for o, _ in self.records if o == owner)
 
     # ---- offload ----------------------------------------------------------------
-    def prepare_offload(self, owner: int, quota: int, ns: Bucket, request: str,
+    def prepare_offload(self, owner: int, quota: int | float, ns: Bucket, request: str,
                         engine_blocks: int, block_factor: int) -> tuple[SwapRecord | None, str]:
         """Reserve room for one request, all or nothing. Returns (record, "") or
         (None, reason) with reason "exists", "quota" or "no_space"."""
@@ -71,7 +71,7 @@ class SwapTable:
             return None, "exists"
         slots = -(-engine_blocks // block_factor)
         need = slots * ns.block_bytes
-        if quota and self.owner_bytes(owner) + need > quota:
+        if self.owner_bytes(owner) + need > quota:  # 0 is a quota too: no swap
             return None, "quota"
         if self.total_bytes + need > self.max_bytes:
             return None, "no_space"

@@ -23,12 +23,14 @@ class ErrorCode(enum.IntEnum):
     UNAUTHORIZED = 10      # bad or missing token at HELLO
     SHUTTING_DOWN = 11     # daemon is draining; retry against the next daemon
     CANCELLED = 12         # transfer stopped (client cancel, reap, drain); nothing committed
+    OVER_LIMIT = 13        # a per-user cap (in-flight transfers, mappings, hand-overs) is reached; retry later
+    EXHAUSTED = 14         # the daemon ran out of descriptors or memory serving this; nothing done, retry later
 
 
 CLIENT_FAULT = frozenset({
     ErrorCode.BAD_MESSAGE, ErrorCode.UNKNOWN_OP, ErrorCode.BAD_ARGUMENT,
     ErrorCode.UNKNOWN_NAMESPACE, ErrorCode.VERSION_MISMATCH,
-    ErrorCode.NOT_CONNECTED, ErrorCode.TOO_LARGE, ErrorCode.UNAUTHORIZED,
+    ErrorCode.NOT_CONNECTED, ErrorCode.TOO_LARGE, ErrorCode.UNAUTHORIZED, ErrorCode.OVER_LIMIT,
 })
 
 

@@ -131,3 +131,44 @@ def test_readers_never_see_a_torn_table_while_the_writer_changes_it():
         r.close()
         w.close()
     assert p.exitcode == 0
+
+
+def colliding(n: int, buckets: int, home: int = 3) -> list[bytes]:
+    """``n`` digests whose first 8 bytes all pick bucket ``home`` of ``buckets``."""
+    return [((home + buckets * (i + 1)).to_bytes(8, "little") + (i + 1).to_bytes(8, "little")) for i in range(n)]
+
+
+def test_a_key_the_writer_keeps_is_one_a_reader_finds_and_the_writer_removes():
+    """Hostile keys that all share one home bucket: the ninth bucket's worth
+    used to land one bucket past the probe window (never found, never
+    removed). Now every key either is found and can be removed, or the table
+    overflows and readers ask the daemon."""
+    w = ShmIndexWriter(segment_name(), 64)  # 256 slots in 32 buckets of 8
+    r = ShmIndexReader(w.name)
+    try:
+        buckets = w.t.capacity // 8
+        keys = colliding(8 * 8, buckets)  # exactly the probe window: all found
+        w.add(keys)
+        assert not w.overflowed
+        assert all(r.ready_prefix([k]) == 1 for k in keys)
+        w.remove(keys[:8])
+        assert all(r.ready_prefix([k]) == 0 for k in keys[:8])
+        w.add(keys[:8])
+        extra = colliding(8 * 8 + 1, buckets)[-1]  # one more: its place would be past the window
+        w.add([extra])
+        assert w.overflowed and r.ready_prefix([extra]) is None
+    finally:
+        r.close()
+        w.close()
+
+
+def test_a_reader_on_a_cpu_without_x86_ordering_refuses_to_map_the_table(table):
+    """The seqlock has no fences: only x86's store and load ordering makes it
+    safe. Elsewhere the reader refuses (the client then asks the daemon)."""
+    w, _ = table
+    from kvtier.pool.shm_index import seqlock_safe
+    for machine in ("aarch64", "ppc64le", "riscv64"):
+        assert not seqlock_safe(machine)
+        with pytest.raises(SegmentError, match="x86"):
+            ShmIndexReader(w.name, machine=machine)
+    assert seqlock_safe("x86_64") and seqlock_safe("AMD64")
