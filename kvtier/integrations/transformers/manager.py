@@ -6,7 +6,8 @@
 
 It is HF's ``ContinuousBatchingManager`` with one hook: when HF builds its
 batch processor, the paged cache is moved into shared memory and registered
-with the local kvtier daemon, ``KVTierOffloadingManager`` replaces HF's
+with the local kvtier daemon (a CUDA paged cache is registered in place over
+CUDA IPC instead), ``KVTierOffloadingManager`` replaces HF's
 offloading manager and the ``kvtier`` scheduler gets the tier. Without a
 daemon everything still runs, as plain HF: swapped-out requests are soft
 reset and no prefix comes from kvtier; the client connects (and re-registers)
@@ -84,8 +85,10 @@ class KVTierContinuousBatchingManager(ContinuousBatchingManager):
                         transfer_timeout=self.transfer_timeout, require_daemon=False)
         client.timeout = 5.0
         try:
-            tier = HFKVTier.attach(processor.cache, client, namespace_for(processor.cache, self.model_id,
-                                                                         self.revision))
+            # CUDA: HF's forward runs on its compute stream, so copies are fenced there.
+            tier = HFKVTier.attach(processor.cache, client,
+                                   namespace_for(processor.cache, self.model_id, self.revision),
+                                   stream=processor.inputs_and_outputs.compute_stream)
         except (KVTierError, OSError, ValueError) as exc:  # refused registration, no shm: plain HF
             client.close()
             log.warning("kvtier disabled for this model, running plain HF: %s", exc)

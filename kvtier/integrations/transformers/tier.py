@@ -1,8 +1,9 @@
 """One HF paged cache's session with kvtier: the block copies, nothing else.
 
-Runs in the engine process, on HF's generation thread. ``attach`` moves the
-paged cache tensor into shared memory and registers it so kvtier block ids
-are HF block ids (rows of the allocator's ``_copy_view``). The scheduler and
+Runs in the engine process, on HF's generation thread. ``attach`` registers
+the paged cache tensor through ``EngineKV`` (CPU: moved into shared memory in
+place; CUDA: in place over CUDA IPC, copies fenced on HF's compute stream) so
+kvtier block ids are HF block ids (rows of the allocator's ``_copy_view``). The scheduler and
 the offloading manager decide *what* to copy; this object does the copy and
 reports the outcome as a value, never an exception: the engine then falls
 back to what plain HF does (recompute).
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from ...client import Client, KVTierError, Namespace, TransferHandle, block_hashes
-from ...transfer.adopt import adopt_tensors
+from ..engine_kv import EngineKV
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -72,14 +73,14 @@ def supports(cache: "PagedAttentionCache") -> str:
     """Why this cache cannot use kvtier ("" if it can)."""
     if len(cache.cache_allocators) != 1 or "full_attention" not in cache.cache_allocators:
         return "only models whose layers all use full attention (one cache allocator) are supported"
-    if cache.cache_tensor.device.type != "cpu":
-        return "GPU paged caches are not wired up yet (CPU only)"
+    if cache.cache_tensor.device.type not in ("cpu", "cuda"):
+        return f"paged caches on {cache.cache_tensor.device.type} are not supported (CPU and CUDA are)"
     return ""
 
 
 class HFKVTier:
-    def __init__(self, client: Client, cache: "PagedAttentionCache", kv, namespace: Namespace):
-        self.client, self.cache, self.kv, self.namespace = client, cache, kv, namespace
+    def __init__(self, engine: EngineKV, cache: "PagedAttentionCache", namespace: Namespace):
+        self.engine, self.client, self.cache, self.namespace = engine, engine.client, cache, namespace
         (self.allocator,) = cache.cache_allocators.values()
         self.page_size = self.allocator.tokens_per_page
         self.counters = TierCounters()
@@ -87,18 +88,23 @@ class HFKVTier:
         self.quarantine: list[tuple[TransferHandle, list[int]]] = []
 
     @classmethod
-    def attach(cls, cache: "PagedAttentionCache", client: Client, namespace: Namespace) -> "HFKVTier":
-        """Move ``cache``'s tensor into shared memory in place (same addresses,
-        same bytes: HF's views and outputs do not change) and register it;
-        block ids are rows of ``_copy_view``."""
+    def attach(cls, cache: "PagedAttentionCache", client: Client, namespace: Namespace,
+               stream=None) -> "HFKVTier":
+        """Register ``cache``'s tensor in place (same addresses, same bytes: HF's
+        views and outputs do not change); block ids are rows of ``_copy_view``.
+        ``stream``: HF's compute stream on CUDA (None: the current stream).
+        Raises KVTierError when the daemon refuses it."""
         allocator = next(iter(cache.cache_allocators.values()))
         flat = cache.cache_tensor.reshape(-1).view(torch.uint8)
         if flat.data_ptr() != cache.cache_tensor.data_ptr():
             raise ValueError("HF's cache tensor is not contiguous: cannot register it in place")
         rows = flat.numel() // allocator.bytes_per_block
-        kv = adopt_tensors([flat[: rows * allocator.bytes_per_block].view(rows, -1)])
-        client.register_kv_cache(kv, [0], namespace)
-        return cls(client, cache, kv, namespace)
+        engine = EngineKV([flat[: rows * allocator.bytes_per_block].view(rows, -1)], [0], client, namespace,
+                          stream=stream)
+        if engine.refusal is not None:
+            engine.close()
+            raise engine.refusal
+        return cls(engine, cache, namespace)
 
     # ---- prefix tier ---------------------------------------------------------------
     def prefix_keys(self, tokens: Sequence[int]) -> list[bytes]:
@@ -112,8 +118,8 @@ class HFKVTier:
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Copy pool blocks into engine blocks; the number of *leading* blocks
         that arrived (a prefix is only usable up to its first hole)."""
-        handle = self.client.load(keys, block_ids)
-        result = handle.wait()
+        handle = self.engine.load(keys, block_ids)
+        result = self.engine.landed(handle)
         self._park(handle, block_ids)
         loaded = min(result.failed) if result.failed else len(keys)
         if loaded:
@@ -127,7 +133,7 @@ class HFKVTier:
         has read them, so the caller may free them."""
         if not keys:
             return
-        handle = self.client.store(keys, block_ids)
+        handle = self.engine.store(keys, block_ids)
         result = handle.wait()
         self.counters.stored_blocks += result.done
         if handle.held_blocks:  # the daemon may still read them: harmless to HF, worth knowing
@@ -140,7 +146,7 @@ class HFKVTier:
         tables = {rid: list(ids) for rid, ids in tables.items() if ids}
         if not tables:
             return set()
-        result = self.client.offload(tables).wait()
+        result = self.engine.offload(tables).wait()
         if result.error:  # no reply (timeout, daemon gone): a record may exist anyway, drop it by name
             for rid in result.failed_requests:
                 self._discard_quietly(rid)
@@ -163,8 +169,8 @@ class HFKVTier:
         offloaded). False: the swap is gone (daemon restarted or missing) and
         the request must be recomputed."""
         self._swapped.pop(request_id)
-        handle = self.client.restore(request_id, block_ids)
-        result = handle.wait()
+        handle = self.engine.restore(request_id, block_ids)
+        result = self.engine.landed(handle)
         self._park(handle, block_ids)
         if result.ok:
             self.counters.restored_requests += 1
@@ -207,6 +213,5 @@ class HFKVTier:
 
     def close(self) -> None:
         self.discard_all()
-        self.client.close()
-        self.kv.close()
+        self.engine.close()
 

@@ -1,11 +1,14 @@
 """Worker side (vLLM worker process): move chunks between vLLM's KV cache and kvtier.
 
-vLLM's CPU worker allocates its KV cache itself; ``adopt_tensors`` moves the
-pages under it into a named segment in place (same addresses, so attention
-reads the same memory), and the daemon copies to and from those pages
-directly. Each canonical layer tensor is registered as one tensor of
-``(num_blocks, page_bytes)``; one kvtier block holds ``blocks_per_chunk``
-engine blocks of every layer.
+A thin shim over ``EngineKV``: vLLM's canonical per-layer KV tensors are
+registered as they are, CPU ones adopted into shared memory in place (same
+addresses, so attention reads the same memory), CUDA ones in place over CUDA
+IPC (each TP rank registers its own GPU). Each layer tensor is registered as
+one tensor of ``(num_blocks, page_bytes)``; one kvtier block holds
+``blocks_per_chunk`` engine blocks of every layer. On CUDA a store is fenced
+on the worker's stream when it is submitted (after the forward that wrote the
+blocks) and a finished load makes that stream wait for the daemon's copy
+before vLLM's next step reads the blocks.
 
 Jobs never fail at submission: a load the daemon could not serve (evicted
 since the lookup, daemon gone) comes back from ``get_finished`` with
@@ -16,8 +19,6 @@ recomputes. A store that fails only means a later miss.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -27,19 +28,11 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from ...client import Client, KVTierError, Namespace, TransferHandle
-from ...transfer.adopt import adopt_tensors
+from ...client import Client, Namespace
+from ..engine_kv import EngineKV, Finished
 from .manager import KVTierSpecs
 
 log = logging.getLogger("kvtier.vllm")
-
-
-@dataclass
-class _Job:
-    handle: TransferHandle
-    is_load: bool
-    engine_blocks: int
-    started: float
 
 
 class KVTierWorker(OffloadingWorker):
@@ -52,16 +45,8 @@ class KVTierWorker(OffloadingWorker):
         views = [kv_caches.tensors[r.tensor_idx].tensor[:, :r.page_size_bytes] for r in refs]
         self.engine_block_bytes = sum(r.page_size_bytes for r in refs)
         self.k = blocks_per_chunk
-        self.kv = adopt_tensors(views)  # in place: vLLM's kernels keep their pointers
-        self.client = Client(socket, name=name, require_daemon=False)
-        self.enabled = True
-        try:
-            self.client.register_kv_cache(self.kv, [0] * len(views), namespace, block_factor=blocks_per_chunk)
-        except KVTierError as exc:
-            log.error("kvtier: worker registration refused (%s); kvtier disabled", exc)
-            self.enabled = False
-        self._jobs: dict[int, _Job] = {}
-        self._done: list[TransferResult] = []
+        self.engine = EngineKV(views, [0] * len(views), Client(socket, name=name, require_daemon=False),
+                               namespace, block_factor=blocks_per_chunk)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     *args, **kwargs) -> bool:
@@ -76,47 +61,33 @@ class KVTierWorker(OffloadingWorker):
         return self._submit(job_id, False, dst_spec.hashes, src_spec.block_ids.tolist(), 0)
 
     def _submit(self, job_id: int, is_load: bool, hashes: list[bytes], ids: list[int], skip: int) -> bool:
-        if not self.enabled or len(ids) != len(hashes) * self.k - skip:
+        if self.engine.enabled and len(ids) != len(hashes) * self.k - skip:
             # Never a partial chunk here (vLLM sends whole chunks); refuse rather
             # than guess which blocks go where: a load fails, a store is dropped.
-            if self.enabled:
-                log.warning("kvtier: job %d has %d blocks for %d chunks (skip %d); not transferred",
-                            job_id, len(ids), len(hashes), skip)
-            self._done.append(TransferResult(job_id, success=not is_load))
+            log.warning("kvtier: job %d has %d blocks for %d chunks (skip %d); not transferred",
+                        job_id, len(ids), len(hashes), skip)
+            self.engine.fail(job_id, is_load, len(ids), "blocks do not make whole chunks")
             return True
-        op = self.client.load if is_load else self.client.store
-        handle = op(hashes, ids, skip=skip) if is_load else op(hashes, ids)
-        self._jobs[job_id] = _Job(handle, is_load, len(ids), time.perf_counter())
+        self.engine.submit(job_id, is_load, hashes, ids, skip)
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        out, self._done = self._done, []
-        for job_id in [j for j, job in self._jobs.items() if job.handle.done()]:
-            out.append(self._result(job_id, self._jobs.pop(job_id)))
-        return out
+        return [self._result(f) for f in self.engine.finished()]
 
-    def _result(self, job_id: int, job: _Job) -> TransferResult:
-        result = job.handle.wait()
-        if job.is_load and not result.ok:
+    def _result(self, f: Finished) -> TransferResult:
+        result = f.result
+        if f.is_load and not result.ok and self.engine.enabled:
             log.warning("kvtier: load job %d failed (%d of %d chunks): %s; vLLM recomputes",
-                        job_id, len(result.failed), job.engine_blocks, result.error or "evicted")
-        moved = job.engine_blocks if job.is_load else result.done * self.k
-        return TransferResult(job_id, success=result.ok or not job.is_load,
-                              transfer_size=moved * self.engine_block_bytes,
-                              transfer_time=time.perf_counter() - job.started)
+                        f.job_id, len(result.failed), f.engine_blocks, result.error or "evicted")
+        moved = f.engine_blocks if f.is_load else result.done * self.k
+        return TransferResult(f.job_id, success=result.ok or not f.is_load,
+                              transfer_size=moved * self.engine_block_bytes, transfer_time=f.seconds)
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until these jobs stopped touching their blocks (preemption:
         vLLM reuses the blocks right after). Their results still come from
         ``get_finished``."""
-        for job_id in job_ids:
-            job = self._jobs.get(job_id)
-            if job is not None:
-                job.handle.wait()
+        self.engine.wait(job_ids)
 
     def shutdown(self) -> None:
-        for job in self._jobs.values():
-            job.handle.wait()
-        self._jobs.clear()
-        self.client.close()
-        self.kv.close()
+        self.engine.close()
