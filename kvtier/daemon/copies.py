@@ -1,7 +1,8 @@
 """Running transfers: start each op's copy, stop it when cancelled, end it once.
 
 A copy runs on the loop thread when it is small (cheaper than the hand-off),
-else on the copy worker's threads. It moves ``chunk_bytes`` of engine blocks
+else on the copy worker's threads; a fenced CUDA copy first waits at the
+``FenceGate`` (its own thread) until the worker's event fired. It moves ``chunk_bytes`` of engine blocks
 at a time and checks the op's cancel flag before each chunk, so a cancelled
 op stops touching engine memory within one chunk (milliseconds).
 
@@ -36,6 +37,7 @@ import torch
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from ..transfer.copy import Cancelled
+from ..transfer.fences import FenceGate
 from ..transfer.worker import CopyWorker
 from .config import DaemonConfig
 from .latency import LatencyHistograms
@@ -57,6 +59,7 @@ class CopyRunner:
         self.inflight: set[CopyOp] = set()
         self._by_user: dict[int | None, list[int]] = {}  # uid (None: TCP) -> [transfers, pieces] in flight
         self.on_commit: Callable[[object], None] | None = None  # a store's plan, once committed
+        self.gate: FenceGate | None = None  # CUDA copies waiting for their worker's event
 
     @property
     def wakeup_fd(self) -> int:
@@ -101,8 +104,14 @@ class CopyRunner:
             engine, pool = op.reg.copier, self.pool
 
             def gpu_copy():
-                op.done_event = engine.copy(pool, op.pairs, op.to_pool, op.fence, op.cancelled)
-            self.worker.submit(op, gpu_copy, op.client.id)
+                op.done_event = engine.copy(pool, op.pairs, op.to_pool, cancelled=op.cancelled)
+            if not op.fence:
+                self.worker.submit(op, gpu_copy, op.client.id)
+                return
+            # The worker's event is awaited at the gate, not on a copy thread: a worker
+            # that hangs or dies with it unfired holds no copy thread from other clients.
+            fence = op.fence
+            self._fences().hold(op, op.client.id, lambda: engine.fence_fired(fence), op.cancelled, gpu_copy)
             return
         copy = self._cpu_copy(op, config)
         if op.nbytes <= config.inline_copy_bytes and not config.copy_delay_s:
@@ -197,9 +206,19 @@ class CopyRunner:
 
     # ---- shutdown --------------------------------------------------------------------
     def drain(self, timeout: float) -> bool:
-        return self.worker.drain(timeout)
+        end = time.monotonic() + timeout
+        if self.gate is not None and not self.gate.wait_empty(timeout):
+            return False
+        return self.worker.drain(max(0.0, end - time.monotonic()))
+
+    def _fences(self) -> FenceGate:
+        if self.gate is None:  # only daemons with CUDA registrations run the thread
+            self.gate = FenceGate(self.worker.submit)
+        return self.gate
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.close()  # what it still holds goes to the worker as cancelled
         self.worker.close()
 
 

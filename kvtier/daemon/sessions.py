@@ -26,7 +26,7 @@ from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from ..transfer.layout import KVLayout
 from ..transfer.mapping import open_specs
-from ..transfer.specs import SpecError
+from ..transfer.specs import NoCudaPath, SpecError
 from .config import DaemonConfig
 from .peers import Peer
 from .tenancy import identify, ns_key
@@ -108,6 +108,8 @@ class Sessions:
                               "namespaces already (max_namespaces_per_user)")
         try:
             tensors, dims, segments = open_specs(msg.tensors, fds, gpu_uuids=self.gpu.uuids if self.gpu else None)
+        except NoCudaPath as exc:  # valid, but this daemon cannot serve it: the engine runs without kvtier
+            raise DaemonError(ErrorCode.NO_GPU, str(exc)) from None
         except SpecError as exc:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
         device = getattr(segments[0], "gpu_device", None)  # set only on CUDA mappings

@@ -25,6 +25,7 @@ class ErrorCode(enum.IntEnum):
     CANCELLED = 12         # transfer stopped (client cancel, reap, drain); nothing committed
     OVER_LIMIT = 13        # a per-user cap (in-flight transfers, mappings, hand-overs) is reached; retry later
     EXHAUSTED = 14         # the daemon ran out of descriptors or memory serving this; nothing done, retry later
+    NO_GPU = 15            # a CUDA cache sent to a daemon without a CUDA data path
 
 
 CLIENT_FAULT = frozenset({

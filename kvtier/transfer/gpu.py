@@ -16,7 +16,9 @@ ring of interprocess "done" events, and runs a transfer like this:
 The worker's event is waited for on the host (polled, with a deadline), not
 with ``cudaStreamWaitEvent``: an event from a worker that dies never fires,
 and copies queued behind it could run after the op was reported failed and
-its pool slots reused. Polling gives up cleanly, with nothing queued.
+its pool slots reused. Polling gives up cleanly, with nothing queued. The
+daemon polls fences on its own thread (``fences.FenceGate`` with
+``fence_fired``), so a worker whose event never fires holds no copy thread.
 
 Each op records its own "done" event from the ring, so the handle in a reply
 is not re-recorded by the next op before the worker waits on it.
@@ -25,8 +27,8 @@ Copy jobs run on the daemon's copy threads, so the control loop keeps
 answering lookups while the GPU works.
 
 Primitives: ``GpuContext(pool, chunk, method)`` with ``engine(layout, device)``,
-``stats()``, ``close()``; ``CudaCopyEngine.copy(pool, pairs, to_pool, wait_handle)
--> done event handle``.
+``stats()``, ``close()``; ``CudaCopyEngine.fence_fired(handle)``,
+``CudaCopyEngine.copy(pool, pairs, to_pool, wait_handle) -> done event handle``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 from .gpu_copy import MethodChooser, RunCopier
 from .copy import Cancelled
 from .events import EventCache
+from .fences import FENCE_TIMEOUT_S, FenceTimeout
 from .mapping import local_uuids
 from .pinning import PinnedPool
 from .runs import Geometry
@@ -48,11 +51,7 @@ log = logging.getLogger("kvtier.gpu")
 METHODS = ("auto", "dma", "kernel")
 MAX_OPEN_EVENTS = 16  # imported worker events kept per registration
 DONE_RING = 32        # "done" events per registration, used round robin
-FENCE_TIMEOUT_S = 60.0
-
-
-class FenceTimeout(RuntimeError):
-    """The worker's event did not fire in time (worker dead or hung)."""
+__all__ = ["CudaCopyEngine", "FENCE_TIMEOUT_S", "FenceTimeout", "GpuContext", "wait_event_on_host"]
 
 
 class GpuContext:
@@ -90,6 +89,11 @@ class CudaCopyEngine:
         self._next = 0
         self._events = EventCache(MAX_OPEN_EVENTS)
         self._lock = threading.Lock()
+
+    def fence_fired(self, handle: bytes) -> bool:
+        """Whether the worker's event ``handle`` fired (never blocks)."""
+        with torch.cuda.device(self.device):
+            return self._imported(handle).query()
 
     def copy(self, pool: torch.Tensor, pairs, to_pool: bool, wait_handle: bytes = b"",
              cancelled: threading.Event | None = None) -> bytes:

@@ -20,7 +20,7 @@ import stat
 
 import torch
 
-from .specs import SpecError, check_geometry, extent_bytes, is_int, normalize_uuid
+from .specs import NoCudaPath, SpecError, check_geometry, extent_bytes, is_int, normalize_uuid
 
 MAX_HANDLE = 4096  # bytes; a CUDA IPC handle is 64, torch adds a little framing
 
@@ -199,8 +199,9 @@ def open_cuda_specs(specs: list, uuids: list[str] | None, max_tensors: int = 409
         raise SpecError(f"tensors must be a list of 1..{max_tensors} specs")
     checked = [check_cuda_spec(s, i) for i, s in enumerate(specs)]
     if uuids is None:
-        raise SpecError("this daemon has no CUDA data path (no CUDA device, or gpu = off); "
-                        "register CPU caches (ShmKVCache) instead")
+        raise NoCudaPath("this daemon has no CUDA data path (no CUDA device, or gpu = off): it cannot "
+                         "copy to or from GPU memory; run it on the GPU node with gpu = auto or on, "
+                         "or register CPU caches instead")
     devices = {device_index(c["uuid"], uuids) for c in checked}
     if len(devices) != 1:
         raise SpecError("all tensors of one registration must be on one GPU")

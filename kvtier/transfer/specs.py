@@ -5,7 +5,7 @@ daemon validates and maps them (``mapping.py``). A spec is a msgpack map:
 ``kind`` ("fd": memory handed over as a descriptor, or "cuda"), dtype, shape, stride, the dimension that indexes
 engine blocks, and where the memory is.
 
-Primitives: ``DTYPES``, ``dtype_name``, ``SpecError``, ``check_geometry``,
+Primitives: ``DTYPES``, ``dtype_name``, ``SpecError``, ``NoCudaPath``, ``check_geometry``,
 ``extent_bytes``, ``is_int``, ``normalize_uuid``.
 """
 
@@ -27,6 +27,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 class SpecError(ValueError):
     """A tensor spec from a client is invalid (the client's fault)."""
+
+
+class NoCudaPath(SpecError):
+    """A valid CUDA spec, sent to a daemon that has no CUDA data path."""
 
 
 def check_geometry(spec: dict, i: int) -> tuple[torch.dtype, list, list, int]:

@@ -55,6 +55,7 @@ CODES = {  # value: (name, side)
     7: ("VERSION_MISMATCH", "client"), 8: ("NOT_CONNECTED", "client"), 9: ("TOO_LARGE", "client"),
     10: ("UNAUTHORIZED", "client"), 11: ("SHUTTING_DOWN", "daemon"), 12: ("CANCELLED", "daemon"),
     13: ("OVER_LIMIT", "client"), 14: ("EXHAUSTED", "daemon"),
+    15: ("NO_GPU", "daemon"),
 }
 
 

@@ -189,11 +189,13 @@ def cpu_daemon(daemon_factory):
     return daemon_factory(process=True, env={"KVTIER_GPU": "off"})
 
 
-def test_cpu_daemon_answers_bad_argument_for_cuda_caches_and_keeps_serving(cpu_daemon):
+def test_cpu_daemon_refuses_cuda_caches_with_no_gpu_and_keeps_serving(cpu_daemon):
     with cpu_daemon.client(name="gpu-worker") as c:
         with pytest.raises(KVTierError) as err:
             c.register_kv_cache(SpecsOnly([cuda_spec()]), [1], NS)
-        assert err.value.code == ErrorCode.BAD_ARGUMENT and "no CUDA data path" in err.value.message
+        # Its own code: the engine's cache is fine, this daemon cannot copy GPU memory.
+        assert err.value.code == ErrorCode.NO_GPU and "no CUDA data path" in err.value.message
+        assert err.value.side == "daemon"
         with pytest.raises(KVTierError) as err:
             c.register_kv_cache(SpecsOnly([cuda_spec(ipc_size=10)]), [1], NS)
         assert err.value.code == ErrorCode.BAD_ARGUMENT and "outside its storage" in err.value.message
@@ -209,7 +211,7 @@ def test_cpu_daemon_answers_bad_argument_for_cuda_caches_and_keeps_serving(cpu_d
         finally:
             kv.close()
     s = cpu_daemon.stats()
-    assert s["errors"]["BAD_ARGUMENT"] == 2
+    assert (s["errors"]["NO_GPU"], s["errors"]["BAD_ARGUMENT"]) == (1, 1)
     assert (s["pool"]["pinned_bytes"], s["pool"]["pinning"], s["gpu"]) == (0, False, {"enabled": False})
 
 
