@@ -14,10 +14,17 @@ Cases:
   llama8b-fa  Llama-3-8B shape, 16-token blocks, 32 per-layer FlashAttention
               tensors (2, num_blocks, 16, 8, 128) fp16: 2 MiB per block in 64
               pieces of 32 KiB
-  llama8b-fi  same bytes, FlashInfer layout (num_blocks, 2, 16, 8, 128): 32
-              pieces of 64 KiB
+  llama8b-fi  same bytes, FlashInfer layout (num_blocks, 2, 16, 8, 128): the
+              per-layer layout, 32 tensors of 64 KiB per block
+
+The pinned-memcpy baseline is measured again right after each case (same
+bytes, same process, same run), so every ratio compares neighbours. Pinning:
+``cudaHostRegister`` of a shared-memory mapping in the daemon's chunks
+(``PinnedPool``), seconds per GiB, next to ``cudaHostAlloc`` (``pin_memory``)
+of the same size.
 
 Usage: python scripts/bench_gpu.py [--blocks 256] [--iters 5] [--methods dma,kernel,auto]
+       [--pin-gib 4] [--json] [--out results.json]
 Needs a CUDA device; exits 2 without one.
 """
 
@@ -131,6 +138,32 @@ def baseline(nbytes: int, iters: int) -> dict:
     return out
 
 
+def pinning(gib: int, chunk: int = 1 << 30) -> dict:
+    """Seconds per GiB to pin a shared mapping the daemon's way, and to allocate pinned memory."""
+    import mmap
+    from kvtier.transfer.pinning import PinnedPool
+    nbytes = gib << 30
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    pool = torch.frombuffer(buf, dtype=torch.uint8)
+    pool[::4096] = 0  # prefault, as the daemon does before pinning
+    t0 = time.perf_counter()
+    pinned = PinnedPool(pool, chunk)
+    pinned.start()
+    while pinned.pinning:
+        time.sleep(0.001)
+    register_s = time.perf_counter() - t0
+    ok = pinned.complete
+    pinned.close()
+    del pool
+    buf.close()
+    t0 = time.perf_counter()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    alloc_s = time.perf_counter() - t0
+    del host
+    return {"gib": gib, "chunk_bytes": chunk, "complete": ok, "register_s_per_gib": register_s / gib,
+            "pin_memory_alloc_s_per_gib": alloc_s / gib}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, default=256, help="blocks per store/load call (2 MiB each)")
@@ -138,13 +171,14 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="dma,kernel,auto")
     p.add_argument("--cases", default="2mib,llama8b-fa,llama8b-fi")
     p.add_argument("--pool-size", default="4GiB")
+    p.add_argument("--pin-gib", type=int, default=4, help="GiB to pin for the pinning-time row (0: skip)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default="", help="also write the JSON document to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gpu: needs a CUDA device; nothing measured", file=sys.stderr)
         return 2
     rows, seed = [], 0
-    base = baseline(args.blocks * (2 << 20), args.iters)
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             d = Daemon(method, args.pool_size, tmp)
@@ -152,23 +186,36 @@ def main(argv=None) -> int:
                 for case in args.cases.split(","):
                     seed += 10**7
                     r = bench_case(d.socket, case, args.blocks, args.iters, seed)
-                    rows.append({"case": case, "method": method, **r, **base})
+                    base = baseline(r["bytes"], args.iters)  # same bytes, right after: a neighbour
+                    rows.append({"case": case, "method": method, **r, **base,
+                                 "store_vs_pinned": r["store_gbps"] / base["d2h_gbps"],
+                                 "load_vs_pinned": r["load_gbps"] / base["h2d_gbps"]})
                 with Client(d.socket, heartbeat=False) as c:
                     gpu = c.stats()["gpu"]
                 rows[-1]["daemon_measured"] = gpu.get("throughput_gbps", {})
             finally:
                 d.stop()
+    pin = pinning(args.pin_gib) if args.pin_gib else None
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
+           "iters": args.iters, "rows": rows, "pinning": pin}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=2)
     if args.json:
-        print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
-                         indent=2))
+        print(json.dumps(doc, indent=2))
         return 0
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"{args.blocks} blocks per call, median of {args.iters}")
     print(f"{'case':<12} {'method':<7} {'block':>8} {'store GB/s':>11} {'load GB/s':>10} "
-          f"{'pinned D2H':>11} {'pinned H2D':>11}")
+          f"{'pinned D2H':>11} {'pinned H2D':>11} {'store/pin':>10} {'load/pin':>9}")
     for r in rows:
         print(f"{r['case']:<12} {r['method']:<7} {r['block_bytes'] >> 10:>6}Ki {r['store_gbps']:>11.1f} "
-              f"{r['load_gbps']:>10.1f} {r['d2h_gbps']:>11.1f} {r['h2d_gbps']:>11.1f}")
+              f"{r['load_gbps']:>10.1f} {r['d2h_gbps']:>11.1f} {r['h2d_gbps']:>11.1f} "
+              f"{r['store_vs_pinned']:>9.0%} {r['load_vs_pinned']:>9.0%}")
+    if pin:
+        print(f"pinning {pin['gib']} GiB in {pin['chunk_bytes'] >> 20} MiB chunks: "
+              f"{pin['register_s_per_gib']:.3f} s/GiB (cudaHostRegister); "
+              f"pin_memory allocation {pin['pin_memory_alloc_s_per_gib']:.3f} s/GiB")
     for r in rows:
         if r.get("daemon_measured"):
             print(f"daemon copy-only GB/s after {r['method']}: {json.dumps(r['daemon_measured'])}")

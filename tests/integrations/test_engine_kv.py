@@ -56,13 +56,22 @@ def poll(engine: EngineKV, job_ids: set[int], timeout: float = 30.0) -> dict:
     return got
 
 
+def start_daemon(daemon_factory, device: str, env=None):
+    """In-process for CPU caches; for CUDA a daemon process with its CUDA data path
+    (CUDA IPC cannot open a handle in the process that exported it)."""
+    gpu = device == "cuda"
+    return daemon_factory(process=gpu, pool_size="32MiB", slab_size="1MiB",
+                          extra=["--gpu", "on"] if gpu else [], env=env)
+
+
 @pytest.fixture
 def daemon(daemon_factory):
-    return daemon_factory(pool_size="32MiB", slab_size="1MiB")
+    return start_daemon(daemon_factory, "cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_prefix_stored_by_one_engine_loads_byte_exact_into_another_even_from_mid_chunk(daemon, device):
+def test_a_prefix_stored_by_one_engine_loads_byte_exact_into_another_even_from_mid_chunk(daemon_factory, device):
+    daemon = start_daemon(daemon_factory, device)
     writer, written = attach(daemon, device, seed=1, name="engine-a")
     reader, read = attach(daemon, device, seed=None, name="engine-b")
     try:
@@ -89,7 +98,8 @@ def test_a_prefix_stored_by_one_engine_loads_byte_exact_into_another_even_from_m
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_preemption_and_shutdown_return_only_once_the_daemon_let_go_of_the_blocks(daemon, device):
+def test_preemption_and_shutdown_return_only_once_the_daemon_let_go_of_the_blocks(daemon_factory, device):
+    daemon = start_daemon(daemon_factory, device)
     writer, _ = attach(daemon, device, seed=2, name="engine-a")
     keys = block_hashes(list(range(4 * 16 * K)), 16 * K)
     writer.submit(1, False, keys[:2], [0, 1, 2, 3])
@@ -109,7 +119,7 @@ def test_preemption_and_shutdown_return_only_once_the_daemon_let_go_of_the_block
 def test_a_cache_the_daemon_refuses_leaves_the_engine_running_with_every_transfer_failed(daemon_factory,
                                                                                          device):
     # A daemon that allows fewer copy pieces per block than this layout needs refuses it.
-    d = daemon_factory(env={"KVTIER_MAX_COPY_PIECES": "2"})
+    d = start_daemon(daemon_factory, device, env={"KVTIER_MAX_COPY_PIECES": "2"})
     engine, _ = attach(d, device, seed=3, name="refused")
     try:
         assert not engine.enabled and "max_copy_pieces" in engine.refused

@@ -59,7 +59,8 @@ def wait_pinned(d, timeout=60.0):
 @pytest.fixture
 def gpu_daemon(daemon_factory):
     def start(copy="auto", env=None):
-        d = daemon_factory(pool_size="1GiB", slab_size="16MiB", extra=["--gpu", "on"],
+        # A process of its own: CUDA IPC cannot open a handle in the process that exported it.
+        d = daemon_factory(process=True, pool_size="1GiB", slab_size="16MiB", extra=["--gpu", "on"],
                            env={"KVTIER_GPU_COPY": copy, **(env or {})})
         wait_pinned(d)
         return d
