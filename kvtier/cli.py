@@ -147,7 +147,8 @@ def _remote(r: dict) -> list[str]:
     return [f"remote    {r['endpoint']} {state}  hits {r['remote_hits']}  "
             f"fetched {r['fetched']} blocks ({format_size(r['fetched_bytes'])})  "
             f"written {r['written']} blocks ({format_size(r['written_bytes'])})  "
-            f"corrupt {r['corrupt']}  errors {r['errors']}  queued {format_size(r['queued_bytes'])}"]
+            f"corrupt {r['corrupt']}  forged {r.get('forged', 0)}  errors {r['errors']}  "
+            f"queued {format_size(r['queued_bytes'])}"]
 
 
 def _pinned(p: dict) -> str:

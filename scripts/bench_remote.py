@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 import time
 
 import benchlib as bl
 
+
+SECRET = bytes(range(32))  # both nodes' remote secret (remote_secret_file)
+TEAM = "bench"             # the operator's name for this user's tenant on both nodes
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -113,8 +118,9 @@ def load_point(args, cluster, a, b, block: int) -> dict:
 
     r = cluster.client()
     # The daemon keys a namespace by tenant + fingerprint; this process's user is the tenant.
-    ns = v.namespace_digest(ns_key(f"uid{os.geteuid()}", ea.ns.fingerprint()))
-    rkeys = [v.remote_key(ns, k) for k in keys]
+    codec = v.ValueCodec(SECRET)
+    ns = codec.namespace(ns_key(TEAM, ea.ns.fingerprint()))
+    rkeys = [codec.key(ns, k) for k in keys]
     arr = eb.kv.tensors[0].numpy()
 
     def redis_get():
@@ -229,7 +235,12 @@ def main(argv=None) -> int:
     from kvtier.demo.daemon_proc import PrivateDaemon
     # Store reps write fresh blocks: cap the masters (LRU) so the run cannot eat the machine's RAM.
     cluster = LocalCluster(maxmemory="512mb", policy="allkeys-lru")
-    env = {"KVTIER_REMOTE": cluster.url, "KVTIER_REMOTE_TTL_S": "600"}
+    secret_dir = tempfile.mkdtemp(prefix="kvtier-bench-secret-")
+    secret = os.path.join(secret_dir, "remote.secret")
+    with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(f'key = "{SECRET.hex()}"\n')
+    env = {"KVTIER_REMOTE": cluster.url, "KVTIER_REMOTE_TTL_S": "600", "KVTIER_REMOTE_SECRET_FILE": secret,
+           "KVTIER_TENANTS": f"{TEAM}:{os.geteuid()}"}
     slab = max(8 * 2**20, max(args.block_sizes))
     daemons = []
     try:
@@ -244,6 +255,7 @@ def main(argv=None) -> int:
         for d in daemons:
             d.stop()
         cluster.close()
+        shutil.rmtree(secret_dir, ignore_errors=True)
     report = {"machine": bl.machine_notes(), "cluster": "3 masters, loopback, redis-server "
               + os.popen("redis-server --version").read().split()[2].split("=")[1],
               "load": loads, "lookup": lookup, "store": stores}

@@ -5,7 +5,9 @@
 #
 # Creates the system user and group `kvtier`, installs the unit to
 # /etc/systemd/system, the config to /etc/kvtier/kvtier.toml (an existing
-# config is kept; the new one lands beside it as kvtier.toml.new) and the
+# config is kept; the new one lands beside it as kvtier.toml.new), a fresh
+# remote-tier secret to /etc/kvtier/remote.secret (0600 kvtier:kvtier, kept
+# if present; every node of a cluster needs the same one) and the
 # operator guide to /usr/share/doc/kvtier, then runs `systemctl daemon-reload`.
 #
 # DESTDIR=/some/dir puts every file under that root (packaging, tests).
@@ -19,7 +21,7 @@ DRY_RUN=0
 ENABLE=0
 DAEMON_BIN=""
 
-usage() { sed -n '2,14s/^# \{0,1\}//p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,16s/^# \{0,1\}//p' "$0"; exit "${1:-0}"; }
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -85,13 +87,28 @@ else
 fi
 run chown root:kvtier "$CONF_DIR" "$CONF_DIR/kvtier.toml"
 
-# 4. The operator guide, referenced by the unit's Documentation=.
+# 4. The remote tier's secret (MAC key, Redis password): the daemon's user alone reads it,
+#    not group kvtier (engine users). Never overwritten: nodes of one cluster share it.
+if [ -e "$CONF_DIR/remote.secret" ]; then
+  echo "kept $CONF_DIR/remote.secret"
+else
+  ( umask 077
+    { echo "# kvtier remote tier: the same file on every node of a cluster (copy it from the first)."
+      echo "key = \"$(od -An -vtx1 -N32 /dev/urandom | tr -d ' \n')\""
+      echo "# password = \"\"   # Redis AUTH / ACL password, if the cluster needs one"
+      echo "# username = \"\"   # ACL user"
+    } > "$CONF_DIR/remote.secret" )
+  echo "installed $CONF_DIR/remote.secret (a new key: copy this file to every node that shares a cluster)"
+fi
+run chown kvtier:kvtier "$CONF_DIR/remote.secret"
+
+# 5. The operator guide, referenced by the unit's Documentation=.
 if [ -f "$HERE/README.md" ]; then
   install -d -m 0755 "$DOC_DIR"
   install -m 0644 "$HERE/README.md" "$DOC_DIR/README.md"
 fi
 
-# 5. Tell systemd.
+# 6. Tell systemd.
 run systemctl daemon-reload
 if [ "$ENABLE" = 1 ]; then
   run systemctl enable --now kvtier-daemon.service

@@ -22,6 +22,10 @@ from ..protocol.messages import MAX_MESSAGE_BYTES
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
 SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "inline_copy_bytes", "pin_chunk",
              "copy_chunk_bytes", "remote_budget", "remote_queue"}
+MOVED = {  # keys that no longer exist, and where their value belongs now
+    "remote_password": "moved to remote_secret_file (password = \"...\"): the config is readable by every "
+                       "engine user",
+}
 MAX_PERIOD_S = 86400.0  # the poll loop turns these into timeouts: inf or 1e300 would crash it
 GPU_MODES = ("auto", "on", "off")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
@@ -61,7 +65,7 @@ class DaemonConfig:
     socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
     copy_delay_s: float = 0.0       # fault injection for tests: stall before every copy chunk
     remote: str = ""                # remote tier: redis://HOST:PORT or a seed list; "" = off
-    remote_password: str = ""
+    remote_secret_file: str = "/etc/kvtier/remote.secret"  # MAC key and Redis password; 0600, daemon's user
     remote_username: str = ""
     remote_tls_ca: str = ""         # CA bundle for TLS (rediss:// without it uses the system CAs)
     remote_ttl_s: float = 3600.0    # remote values expire this long after their last write
@@ -152,9 +156,15 @@ class DaemonConfig:
         if self.remote:
             from ..remote.settings import parse_url
             try:
-                parse_url(self.remote)
+                _, user, password = parse_url(self.remote)
             except ValueError as exc:
                 bad("remote", str(exc))
+            if user or password:
+                bad("remote", "credentials in the URL: put them in remote_secret_file (this file is "
+                              "readable by every engine user)")
+            if not self.remote_secret_file:
+                bad("remote_secret_file", "the remote tier needs a secret file (key, and the Redis password "
+                                          "if any), readable by the daemon's user only; see README, Across nodes")
         if not 0 < self.remote_ttl_s <= 365 * MAX_PERIOD_S:
             bad("remote_ttl_s", "must be > 0 and at most a year")
         if not 0 < self.remote_timeout_s <= 60:
@@ -176,6 +186,8 @@ def parse_tenants(value: str) -> dict[int, str]:
         name = name.strip()
         if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"{part!r}: expected NAME:USER[,USER...] (NAME letters, digits, - and _)")
+        if name.startswith("uid") and name[3:].isdigit():
+            raise ValueError(f"{name!r}: uid<N> is the name of a user listed nowhere; choose another")
         for user in filter(None, (u.strip() for u in users.split(","))):
             uid = _uid(user)
             if uid in out:
@@ -213,6 +225,8 @@ def metrics_address(value: str) -> tuple[str, int] | None:
 def _coerce(key: str, value, source: str):
     """Convert a raw value from a file/env/flag to the field's type."""
     fields = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+    if key in MOVED:
+        raise ValueError(f"{source}: config {key}: {MOVED[key]}")
     if key not in fields:
         raise ValueError(f"{source}: unknown config key {key!r}")
     kind = fields[key].type
@@ -252,6 +266,9 @@ def load_config(path: str | None = None, env: dict | None = None, flags: dict | 
         for key, value in raw.items():
             values[key] = _coerce(key, value, file)
     env = os.environ if env is None else env
+    for key in MOVED:  # a unit's Environment= is no secret either
+        if env.get("KVTIER_" + key.upper()):
+            _coerce(key, env["KVTIER_" + key.upper()], "KVTIER_" + key.upper())
     for key in (f.name for f in dataclasses.fields(DaemonConfig)):
         name = "KVTIER_" + key.upper()
         if env.get(name):

@@ -139,6 +139,8 @@ class RequestHandlers:
         op = client.ops.get(msg.request)
         if op is not None:
             op.cancel("cancelled by the client")  # stops at its next chunk, then answered
+        elif self.remote is not None:
+            self.remote.cancel(identity, msg.request)  # a load whose blocks are still being fetched
         return m.Ok()
 
     # ---- management --------------------------------------------------------------------

@@ -58,6 +58,7 @@ from .lookup_index import LookupIndexes
 from .requests import RequestHandlers
 from .sessions import Sessions
 from .stats import daemon_stats
+from .tenancy import cluster_names
 from .tenancy import split_key
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
@@ -188,10 +189,13 @@ class Daemon:
         from ..remote.bridge import open_remote
         try:
             return open_remote(config, self.segment.buffer, self.index, self.listener.send, self.dispatcher.handle,
-                               self.copies.crcs if config.checksums else None)
+                               self.copies.crcs if config.checksums else None, cluster_names(config))
         except ImportError as exc:
             self.shutdown()
             raise StartupError(str(exc)) from None
+        except ValueError as exc:  # the secret file is missing, exposed or malformed: no retry fixes that
+            self.shutdown()
+            raise UnfitConfig(str(exc)) from None
 
     def _abort_start(self, why: str):
         self.pool = None  # the tensor over the mapping must go before the unmap

@@ -9,8 +9,12 @@ Admins (root, the daemon's own user, members of ``admin_group``) may flush
 and see every tenant; remote (TCP) sessions are tenant ``remote`` and may
 not register memory at all.
 
+Across nodes (the remote tier) a namespace is known by its tenant's name
+only when the operator named that tenant in ``tenants``: ``uid<N>`` means
+nothing on another node, so an unnamed user's blocks stay on this node.
+
 Primitives: ``SEP``, ``ns_key(tenant, fp)``, ``split_key(key)``,
-``identify(peer, config) -> (tenant, admin)``.
+``identify(peer, config) -> (tenant, admin)``, ``cluster_names(config)``.
 """
 
 from __future__ import annotations
@@ -40,3 +44,13 @@ def identify(peer: Peer | None, config: DaemonConfig) -> tuple[str, bool]:
     gid = admin_gid(config.admin_group) if config.admin_group else None
     admin = peer.uid in (0, os.geteuid()) or (gid is not None and gid in peer.groups)
     return tenant, admin
+
+
+def cluster_names(config: DaemonConfig):
+    """For the remote tier: namespace key -> its name across nodes (the key, for a
+    tenant the operator named), or None (the tenant is ``uid<N>``: local only)."""
+    named = frozenset(parse_tenants(config.tenants).values())
+
+    def name(key: str) -> str | None:
+        return key if split_key(key)[0] in named else None
+    return name

@@ -1,13 +1,14 @@
 """Remote tier settings: where the store is and how long/much it may hold.
 
 ``url`` is ``redis://HOST:PORT`` (``rediss://`` for TLS), optionally with
-``USER:PASSWORD@``, and optionally a comma-separated seed list
+``USER:PASSWORD@`` (the daemon's config refuses that: credentials belong in
+``remote_secret_file``), and optionally a comma-separated seed list
 ``redis://h1:p1,h2:p2,h3:p3`` (any reachable seed finds the whole cluster).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote
 
 SCHEMES = ("redis://", "rediss://")
@@ -16,7 +17,8 @@ SCHEMES = ("redis://", "rediss://")
 @dataclass(frozen=True)
 class RemoteSettings:
     url: str
-    password: str = ""
+    secret: bytes = field(default=b"", repr=False)  # keys and authenticates values (values.py)
+    password: str = field(default="", repr=False)
     username: str = ""
     tls_ca: str = ""               # CA bundle; implies TLS
     ttl_s: float = 3600.0          # every value expires this long after its last write

@@ -8,18 +8,26 @@ own connection, so a large write-behind batch never delays a lookup's probe
 and a probe never waits behind a fetch:
 
   probe thread   pipelined EXISTS for the rest of a chain; while the breaker
-                 is open it pings the store every cooldown to close it again
-  fetch thread   pipelined GET, verify, copy payloads into the pool
-  write thread   crc32 + header, pipelined SET with a TTL, byte budget
+                 is open it pings the store every cooldown to close it again;
+                 a probe not answered within ``timeout_s`` is reported with 0
+                 hits by the deadline thread (jobs.py), the late answer dropped
+  fetch thread   pipelined GET, authenticate, copy payloads into the pool;
+                 a cancelled fetch stops at its next batch
+  write thread   crc32 + MAC header, pipelined SET with a TTL, byte budget
 
 The pool is any writable buffer (the daemon's shared-memory segment; a
 bytearray in tests). The caller guarantees the pool bytes a job names stay
 put until the job is reported done: blocks being written out are held
 (never evicted), blocks being fetched are invisible (allocated, not committed).
 
+Values are keyed and authenticated with the cluster's secret (values.py):
+a forged, foreign or damaged value is rejected, counted and deleted.
+
 Primitives (loop thread): ``probe(ns, keys, token) -> bool``, ``fetch(ns,
-keys, offsets, size, token) -> bool``, ``write(ns, keys, offsets, size, token)
--> bool``, ``completed() -> [Done]``, ``wakeup_fd``, ``stats()``, ``close()``.
+keys, offsets, size, token) -> Job | None`` (``job.cancelled = True`` stops
+it), ``write(ns, keys, offsets, size, token) -> int`` (how many of ``keys``,
+from the first, were queued), ``completed() -> [Job]``, ``wakeup_fd``,
+``stats()``, ``close()``.
 """
 
 from __future__ import annotations
@@ -29,31 +37,19 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any
 
 from . import values as v
 from .breaker import CLOSED, OPEN, Breaker
+from .jobs import Deadlines, Job
 from .settings import RemoteSettings
 from .store import RedisStore, Unreachable
 from ..waker import Inbox
 
 log = logging.getLogger("kvtier.remote")
 
-
-@dataclass
-class Job:
-    kind: str                    # "probe" | "fetch" | "write"
-    token: Any                   # the caller's, handed back untouched
-    ns: v.NamespaceDigest
-    keys: list
-    offsets: list = field(default_factory=list)
-    size: int = 0
-    # results, set by the tier's thread before the job is reported
-    hits: int = 0                # probe: remote blocks continuing the chain
-    failed: list = field(default_factory=list)   # fetch: indices not fetched intact
-    crcs: list = field(default_factory=list)     # fetch: (offset, crc32) of verified payloads
-    error: str = ""              # why the store could not be asked ("" = it answered)
+# Which counter a rejected value goes to: a value not made with this cluster's
+# secret, or made for another block or namespace (copied there), is an attack.
+REJECTED_AS = {v.MISSING: "missing", v.FORGED: "forged", v.FOREIGN: "forged"}
 
 
 class RemoteTier:
@@ -69,6 +65,7 @@ class RemoteTier:
         self.probes_waiting = 0
         self.window: deque = deque()        # (time, bytes) written in the last ttl_s, for the budget
         self.window_bytes = 0
+        self.codec = v.ValueCodec(settings.secret)
         self._names: dict[str, v.NamespaceDigest] = {}
         self._done = Inbox()  # finished jobs; wakes the daemon's loop
         self._queues = {k: queue.Queue() for k in ("probe", "fetch", "write")}
@@ -77,6 +74,7 @@ class RemoteTier:
                          for k in self._queues]
         for t in self._threads:
             t.start()
+        self._deadlines = Deadlines(self._expire)
 
     # ---- loop-thread API --------------------------------------------------------------
     @property
@@ -95,32 +93,38 @@ class RemoteTier:
                 self.counters["probe_skipped"] += 1
                 return False
             self.probes_waiting += 1
-        self._queues["probe"].put(Job("probe", token, self._ns(fingerprint), list(keys)))
+        job = Job("probe", token, self._ns(fingerprint), list(keys), deadline=time.monotonic() + self.settings.timeout_s)
+        self._queues["probe"].put(job)
+        self._deadlines.add(job)
         return True
 
-    def fetch(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> bool:
+    def fetch(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> Job | None:
         """Copy blocks ``keys`` into the pool at ``offsets`` (``size`` bytes each), verified.
-        False: not started (store unavailable); the caller reports those blocks failed."""
+        None: not started (store unavailable); the caller reports those blocks failed."""
         if not self.available():
             self.counters["fetch_skipped"] += len(keys)
-            return False
-        self._queues["fetch"].put(Job("fetch", token, self._ns(fingerprint), list(keys), list(offsets), size))
-        return True
+            return None
+        job = Job("fetch", token, self._ns(fingerprint), list(keys), list(offsets), size)
+        self._queues["fetch"].put(job)
+        return job
 
-    def write(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> bool:
+    def write(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> int:
         """Write-behind of committed blocks; the caller holds them until the job is done.
-        False: not queued (store unavailable, or ``queue_bytes`` already in flight)."""
-        nbytes = len(keys) * size
+        Returns how many of ``keys``, from the first, were queued: as many as fit in
+        ``queue_bytes`` (a chain's prefix is what other nodes can use); 0 when the store
+        is unavailable. The caller releases the others at once."""
         with self.lock:
             if self.breaker.state != CLOSED:
                 self.counters["write_skipped"] += len(keys)
-                return False
-            if self.queued_bytes + nbytes > self.settings.queue_bytes:
-                self.counters["queue_full"] += len(keys)
-                return False
-            self.queued_bytes += nbytes
-        self._queues["write"].put(Job("write", token, self._ns(fingerprint), list(keys), list(offsets), size))
-        return True
+                return 0
+            n = min(len(keys), max(0, self.settings.queue_bytes - self.queued_bytes) // max(1, size))
+            self.counters["queue_full"] += len(keys) - n
+            if not n:
+                return 0
+            self.queued_bytes += n * size
+        self._queues["write"].put(Job("write", token, self._ns(fingerprint), list(keys[:n]), list(offsets[:n]),
+                                      size))
+        return n
 
     def completed(self) -> list[Job]:
         return self._done.take_all()
@@ -131,8 +135,9 @@ class RemoteTier:
             c = dict(self.counters)
             state, opened = self.breaker.state, self.breaker.opened
             queued, window = self.queued_bytes, self.window_bytes
-        keys = ("probes", "probe_blocks", "remote_hits", "probe_skipped", "fetches", "fetched",
-                "fetched_bytes", "fetch_failed", "fetch_skipped", "missing", "corrupt", "written",
+        keys = ("probes", "probe_blocks", "remote_hits", "probe_skipped", "probe_late", "fetches", "fetched",
+                "fetched_bytes", "fetch_failed", "fetch_skipped", "fetch_cancelled", "missing", "corrupt",
+                "forged", "written",
                 "written_bytes", "write_failed", "write_skipped", "queue_full", "budget_skipped",
                 "rejected", "errors")
         return {"enabled": True, "endpoint": s.display, "state": state, "opened": opened,
@@ -142,6 +147,7 @@ class RemoteTier:
 
     def close(self) -> None:
         self._closing.set()
+        self._deadlines.close()
         for q in self._queues.values():
             q.put(None)
         for t in self._threads:
@@ -153,7 +159,7 @@ class RemoteTier:
     def _ns(self, fingerprint: str) -> v.NamespaceDigest:
         ns = self._names.get(fingerprint)
         if ns is None:
-            ns = self._names[fingerprint] = v.namespace_digest(fingerprint)
+            ns = self._names[fingerprint] = self.codec.namespace(fingerprint)
         return ns
 
     # ---- threads ---------------------------------------------------------------------
@@ -206,6 +212,20 @@ class RemoteTier:
         return jobs
 
     def _report(self, job: Job) -> None:
+        with self.lock:
+            if job.reported:
+                return  # a probe answered at its deadline: this late result is dropped
+            job.reported = True
+        self._done.put(job)
+
+    def _expire(self, job: Job) -> None:
+        """Deadline thread: the store did not answer this probe in time; 0 remote hits."""
+        with self.lock:
+            if job.reported:
+                return
+            job.reported = True
+            self.counters["probe_late"] += 1
+        job.hits, job.error = 0, f"no answer within {self.settings.timeout_s}s"
         self._done.put(job)
 
     def _call(self, fn, *args):
@@ -243,11 +263,13 @@ class RemoteTier:
 
     def _probe(self, store: RedisStore, jobs: list[Job]) -> None:
         for job in jobs:
+            if job.reported:  # answered at its deadline while it waited behind a hung call
+                continue
             if self.breaker.state != CLOSED:  # opened while this job waited
                 job.error = "unavailable"
                 continue
             try:
-                found = self._call(store.exists, [v.remote_key(job.ns, k) for k in job.keys])
+                found = self._call(store.exists, [self.codec.key(job.ns, k) for k in job.keys])
             except Unreachable as exc:
                 job.error = str(exc)
                 continue
@@ -265,23 +287,28 @@ class RemoteTier:
         rejected = []  # keys whose values failed verification: nobody should be offered them again
         for start in range(0, len(job.keys), per):
             chunk = range(start, min(start + per, len(job.keys)))
+            if job.cancelled:
+                job.error = job.error or "cancelled"
+                job.failed.extend(chunk)
+                tally["fetch_cancelled"] += len(chunk)
+                continue
             if self.breaker.state != CLOSED:
                 job.error = job.error or "unavailable"
                 job.failed.extend(chunk)
                 continue
             try:
-                got = self._call(store.get, [v.remote_key(job.ns, job.keys[i]) for i in chunk])
+                got = self._call(store.get, [self.codec.key(job.ns, job.keys[i]) for i in chunk])
             except Unreachable as exc:
                 job.error = str(exc)
                 job.failed.extend(chunk)
                 continue
             for i, value in zip(chunk, got):
-                verdict = v.verify(value, job.ns, job.keys[i], job.size)
+                verdict = self.codec.verify(value, job.ns, job.keys[i], job.size)
                 if not verdict.ok:
                     job.failed.append(i)
-                    tally["missing" if verdict.status == v.MISSING else "corrupt"] += 1
+                    tally[REJECTED_AS.get(verdict.status, "corrupt")] += 1
                     if verdict.status != v.MISSING:
-                        rejected.append(v.remote_key(job.ns, job.keys[i]))
+                        rejected.append(self.codec.key(job.ns, job.keys[i]))
                         log.error("remote block %s of %s rejected: %s (%s)", job.keys[i].hex(),
                                   job.ns.short.decode(), verdict.status, verdict.why)
                     continue
@@ -311,8 +338,8 @@ class RemoteTier:
                     tally["budget_skipped"] += 1
                     continue
                 payload = self.pool[off:off + job.size]
-                header, _ = v.frame(job.ns, key, payload)
-                items.append((v.remote_key(job.ns, key), b"".join((header, payload))))
+                header, _ = self.codec.frame(job.ns, key, payload)
+                items.append((self.codec.key(job.ns, key), b"".join((header, payload))))
                 owners.append(job.size)
         if items:
             try:

@@ -54,6 +54,12 @@ def test_install_into_destdir_dry_run(tmp_path):
     assert stat.S_IMODE(conf.stat().st_mode) == 0o640          # may hold the token
     assert stat.S_IMODE(conf.parent.stat().st_mode) == 0o750
     assert (tmp_path / "usr/share/doc/kvtier/README.md").exists()
+    # The remote tier's secret: the daemon's user alone, never the engines' group.
+    secret = tmp_path / "etc/kvtier/remote.secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert "would run: chown kvtier:kvtier " + str(secret) in proc.stdout
+    from kvtier.remote.secret import load_secret
+    assert len(load_secret(str(secret)).key) == 32
     # System changes are only shown in a dry run.
     assert "would run: systemctl daemon-reload" in proc.stdout
     assert "would run: chown root:kvtier" in proc.stdout
@@ -70,6 +76,10 @@ def test_reinstall_keeps_the_operators_config(tmp_path):
     assert conf.read_text() == 'pool_size = "64GiB"\n'
     assert (tmp_path / "etc/kvtier/kvtier.toml.new").exists()
     assert "kept" in proc.stdout
+    # The secret is never replaced: every node of a cluster holds the same one.
+    secret = tmp_path / "etc/kvtier/remote.secret"
+    first = secret.read_text()
+    assert install(tmp_path).returncode == 0 and secret.read_text() == first
 
 
 def test_install_rejects_bad_arguments(tmp_path):

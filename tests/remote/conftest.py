@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.remote.cluster import LocalCluster, why_missing
@@ -20,3 +22,20 @@ def running_cluster():
 @pytest.fixture(scope="module")
 def cluster():
     yield from running_cluster()
+
+
+SECRET = bytes(range(32))  # every node of one cluster holds the same secret
+
+
+def write_secret(path, key: bytes = SECRET, mode: int = 0o600, extra: str = "") -> str:
+    """A secret file as an operator makes one: TOML, the daemon's user alone may read it."""
+    path = str(path)
+    with open(path, "w") as f:
+        f.write(f'key = "{key.hex()}"\n{extra}')
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.fixture
+def secret_file(tmp_path):
+    return write_secret(tmp_path / "remote.secret")

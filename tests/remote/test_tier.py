@@ -13,8 +13,10 @@ import pytest
 from kvtier.remote import values as v
 from kvtier.remote.settings import RemoteSettings
 from kvtier.remote.tier import RemoteTier
+from tests.remote.conftest import SECRET
 
-FP = "tiny-llama|float16|flashinfer|bs16|tp0of1"
+FP = "team\x1ftiny-llama|float16|flashinfer|bs16|tp0of1"
+CODEC = v.ValueCodec(SECRET)
 SIZE = 16 * 1024
 
 
@@ -42,7 +44,7 @@ def make_tier(cluster):
     made = []
 
     def make(pool, **kw):
-        t = RemoteTier(RemoteSettings(cluster.url, **kw), pool)
+        t = RemoteTier(RemoteSettings(cluster.url, secret=SECRET, **kw), pool)
         made.append(t)
         return t
 
@@ -56,7 +58,7 @@ def test_blocks_written_behind_by_one_tier_are_fetched_byte_exactly_by_another(m
     keys = chain(1, 8)
     pool_a = filled_pool(8)
     a = make_tier(pool_a)
-    assert a.write(FP, keys, [i * SIZE for i in range(8)], SIZE, "w")
+    assert a.write(FP, keys, [i * SIZE for i in range(8)], SIZE, "w") == 8
     assert [j.token for j in wait_jobs(a, 1)] == ["w"]
     assert a.stats()["written"] == 8 and a.stats()["written_bytes"] == 8 * SIZE
 
@@ -86,19 +88,19 @@ def test_a_probe_counts_only_the_unbroken_run_from_the_start(make_tier):
     assert wait_jobs(t, 1)[0].hits == 2
 
 
-def test_missing_corrupt_and_foreign_values_are_reported_failed_and_never_copied(make_tier, cluster):
+def test_missing_corrupt_and_replayed_values_are_reported_failed_and_never_copied(make_tier, cluster):
     keys = chain(3, 4)
     pool = filled_pool(4)
     t = make_tier(pool)
     assert t.write(FP, keys, [i * SIZE for i in range(4)], SIZE, "w")
     wait_jobs(t, 1)
     r = cluster.client()
-    ns = v.namespace_digest(FP)
-    k1, k2, k3 = (v.remote_key(ns, keys[i]) for i in (1, 2, 3))
+    ns = CODEC.namespace(FP)
+    k1, k2, k3 = (CODEC.key(ns, keys[i]) for i in (1, 2, 3))
     flipped = bytearray(r.get(k1))
     flipped[v.HEADER_BYTES + 5] ^= 1
     r.set(k1, bytes(flipped))                # a flipped payload bit
-    r.set(k2, r.get(v.remote_key(ns, keys[0])))  # block 0's intact value under block 2's key
+    r.set(k2, r.get(CODEC.key(ns, keys[0])))  # block 0's intact value under block 2's key: a replay
     r.delete(k3)                              # gone between lookup and load
 
     # Fetch into a pool region filled with a marker: only the intact block may land there.
@@ -108,7 +110,7 @@ def test_missing_corrupt_and_foreign_values_are_reported_failed_and_never_copied
     [job] = wait_jobs(t, 1)
     assert sorted(job.failed) == [1, 2, 3]
     s = t.stats()
-    assert (s["fetched"], s["corrupt"], s["missing"], s["fetch_failed"]) == (1, 2, 1, 3)
+    assert (s["fetched"], s["corrupt"], s["forged"], s["missing"], s["fetch_failed"]) == (1, 1, 1, 1, 3)
     assert pool[:SIZE] != fill[:SIZE] and pool[SIZE:] == fill[SIZE:]
     # The rejected values are deleted: a later probe no longer offers them.
     assert t.probe(FP, keys, "p")
@@ -124,8 +126,8 @@ def test_values_expire_after_the_ttl_and_the_budget_caps_what_one_node_writes(ma
     s = t.stats()
     assert (s["written"], s["budget_skipped"], s["window_bytes"]) == (3, 7, 3 * SIZE)
     r = cluster.client()
-    ns = v.namespace_digest(FP)
-    ttls = [r.pttl(v.remote_key(ns, k)) for k in keys]
+    ns = CODEC.namespace(FP)
+    ttls = [r.pttl(CODEC.key(ns, k)) for k in keys]
     assert all(0 < ms <= 120_000 for ms in ttls[:3]) and ttls[3:] == [-2] * 7  # -2: no such key
 
 
@@ -136,7 +138,7 @@ def test_an_unreachable_store_fails_fast_opens_the_breaker_and_never_raises(tmp_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     pool = filled_pool(2)
-    t = RemoteTier(RemoteSettings(f"redis://127.0.0.1:{port}", timeout_s=0.2), pool)
+    t = RemoteTier(RemoteSettings(f"redis://127.0.0.1:{port}", secret=SECRET, timeout_s=0.2), pool)
     try:
         for i in range(3):
             assert t.probe(FP, chain(5, 2), i)
@@ -144,10 +146,63 @@ def test_an_unreachable_store_fails_fast_opens_the_breaker_and_never_raises(tmp_
             assert job.hits == 0 and job.error
         assert t.stats()["state"] == "open"
         assert not t.probe(FP, chain(5, 2), "refused")
-        assert not t.fetch(FP, chain(5, 2), [0, SIZE], SIZE, "refused")
-        assert not t.write(FP, chain(5, 2), [0, SIZE], SIZE, "refused")
+        assert t.fetch(FP, chain(5, 2), [0, SIZE], SIZE, "refused") is None
+        assert t.write(FP, chain(5, 2), [0, SIZE], SIZE, "refused") == 0
         s = t.stats()
         assert s["probe_skipped"] == 1 and s["fetch_skipped"] == 2 and s["write_skipped"] == 2
         assert s["errors"] >= 3 and s["last_error"]
     finally:
         t.close()
+
+
+def test_a_write_larger_than_the_queue_writes_the_prefix_that_fits(make_tier):
+    """The write-behind allowance holds 3 blocks: a 10-block chain queues its first 3
+    (another node can use a prefix, never a middle), the other 7 are counted and released."""
+    keys = chain(6, 10)
+    pool = filled_pool(10)
+    t = make_tier(pool, queue_bytes=3 * SIZE)
+    assert t.write(FP, keys, [i * SIZE for i in range(10)], SIZE, "w") == 3
+    assert t.write(FP, chain(7, 2), [0, SIZE], SIZE, "full") == 0  # the first 3 still in flight
+    wait_jobs(t, 1)
+    s = t.stats()
+    assert (s["written"], s["queue_full"], s["queued_bytes"]) == (3, 9, 0)
+    assert t.probe(FP, keys, "p")
+    assert wait_jobs(t, 1)[0].hits == 3
+
+
+@pytest.fixture
+def own_cluster():
+    from tests.remote.conftest import running_cluster
+    yield from running_cluster()
+
+
+def test_a_probe_to_a_hung_store_is_answered_at_its_deadline_and_so_are_those_behind_it(own_cluster):
+    """Every master SIGSTOPped (connected, silent): each probe comes back with 0 hits and
+    "no answer" from the deadline clock, not from the store, including the probes
+    queued behind the first hung call; the late answers are dropped, never reported twice."""
+    import signal
+    cl = own_cluster
+    t = RemoteTier(RemoteSettings(cl.url, secret=SECRET, timeout_s=0.3), filled_pool(1))
+    try:
+        assert t.probe(FP, chain(8, 2), "warm")  # connected and the topology known
+        assert not wait_jobs(t, 1)[0].error
+        for p in cl.procs:
+            p.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(3):
+                assert t.probe(FP, chain(8, 4), i)
+            jobs = wait_jobs(t, 3)
+            assert sorted(j.token for j in jobs) == [0, 1, 2]
+            assert all(j.hits == 0 and "no answer within" in j.error for j in jobs)
+            assert t.stats()["probe_late"] == 3
+        finally:
+            for p in cl.procs:
+                p.send_signal(signal.SIGCONT)
+        # The hung calls finish (or fail) on the probe thread; none is reported again.
+        wait_until_idle = time.monotonic() + 30
+        while t.probes_waiting and time.monotonic() < wait_until_idle:
+            time.sleep(0.05)
+        assert t.probes_waiting == 0 and t.completed() == []
+    finally:
+        t.close()
+

@@ -15,13 +15,24 @@ from kvtier.client import block_hashes
 from kvtier.daemon.tenancy import ns_key
 from kvtier.remote import values as v
 from tests.helpers import NS, make_kv
-from tests.remote.conftest import running_cluster
+from tests.remote.conftest import SECRET, running_cluster, write_secret
 
 TOKENS = list(range(5000, 5000 + 16 * 12))  # 12 full blocks
+TEAM = "nodes"  # the operator names this test's user's tenant the same on every node
+CODEC = v.ValueCodec(SECRET)
+SECRET_FILE = {}
 
 
-def node(daemon_factory, url: str, **kw):
-    return daemon_factory(env={"KVTIER_REMOTE": url, "KVTIER_REMOTE_TIMEOUT_S": "0.3"}, **kw)
+@pytest.fixture(autouse=True, scope="module")
+def _secret_file(tmp_path_factory):
+    SECRET_FILE["path"] = write_secret(tmp_path_factory.mktemp("secret") / "remote.secret")
+
+
+def node(daemon_factory, url: str, tenants: str = f"{TEAM}:{os.geteuid()}", env=None, **kw):
+    """A node's daemon on the cluster at ``url``, with the cluster's secret file."""
+    return daemon_factory(env={"KVTIER_REMOTE": url, "KVTIER_REMOTE_TIMEOUT_S": "0.3",
+                               "KVTIER_REMOTE_SECRET_FILE": SECRET_FILE["path"], "KVTIER_TENANTS": tenants,
+                               **(env or {})}, **kw)
 
 
 def remote_stats(d) -> dict:
@@ -127,9 +138,8 @@ def test_a_corrupted_remote_value_is_detected_and_reported_failed(daemon_factory
     wait_remote(a, "written", 12)
     hashes = block_hashes(tokens, 16)
     r = cluster.client()
-    # Remote keys carry the tenant too (a namespace belongs to a Unix user or
-    # sharing group): the test process's user is this namespace's tenant.
-    key = v.remote_key(v.namespace_digest(ns_key(f"uid{os.geteuid()}", NS.fingerprint())), hashes[5])
+    # Remote keys carry the tenant too, by the name the operator gave it on every node.
+    key = CODEC.key(CODEC.namespace(ns_key(TEAM, NS.fingerprint())), hashes[5])
     value = bytearray(r.get(key))
     value[v.HEADER_BYTES + 1234] ^= 0x10
     r.set(key, bytes(value))

@@ -1,58 +1,88 @@
-"""Remote values carry their identity and a checksum: only the intact block of
-the right namespace and hash verifies. Sans-IO."""
+"""Remote values carry their identity, a checksum and a MAC keyed by the
+cluster's secret: only the intact block of the right namespace and hash,
+written by a holder of the secret, verifies. Sans-IO."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import struct
 import zlib
 
 import pytest
 
 from kvtier.remote import values as v
 
-NS = v.namespace_digest("tiny-llama|float16|flashinfer|bs16|tp0of1")
+CODEC = v.ValueCodec(bytes(range(32)))
+NS = CODEC.namespace("team\x1ftiny-llama|float16|flashinfer|bs16|tp0of1")
 KEY = bytes(range(16))
 BLOCK = os.urandom(4096)
 
 
-def value(ns=NS, key=KEY, payload=BLOCK) -> bytes:
-    header, _ = v.frame(ns, key, payload)
+def value(ns=NS, key=KEY, payload=BLOCK, codec=CODEC) -> bytes:
+    header, _ = codec.frame(ns, key, payload)
     return header + payload
 
 
 def test_an_intact_value_verifies_and_reports_the_payload_crc():
-    verdict = v.verify(value(), NS, KEY, len(BLOCK))
+    verdict = CODEC.verify(value(), NS, KEY, len(BLOCK))
     assert verdict.ok and verdict.crc == zlib.crc32(BLOCK)
 
 
 def test_a_flipped_payload_byte_is_corrupt():
     bad = bytearray(value())
     bad[v.HEADER_BYTES + 100] ^= 0x40
-    assert v.verify(bytes(bad), NS, KEY, len(BLOCK)).status == v.CORRUPT
+    assert CODEC.verify(bytes(bad), NS, KEY, len(BLOCK)).status == v.CORRUPT
 
 
 @pytest.mark.parametrize("cut", [10, v.HEADER_BYTES, v.HEADER_BYTES + 1000])
 def test_a_truncated_value_is_torn(cut):
-    assert v.verify(value()[:cut], NS, KEY, len(BLOCK)).status == v.TORN
+    assert CODEC.verify(value()[:cut], NS, KEY, len(BLOCK)).status == v.TORN
 
 
 def test_a_value_of_another_block_or_namespace_is_foreign():
+    """A valid value copied under another key (a replay) names its own block and namespace."""
     other_key = value(key=bytes(16))
-    other_ns = value(ns=v.namespace_digest("other-model|float16|flashinfer|bs16|tp0of1"))
-    assert v.verify(other_key, NS, KEY, len(BLOCK)).status == v.FOREIGN
-    assert v.verify(other_ns, NS, KEY, len(BLOCK)).status == v.FOREIGN
+    other_ns = value(ns=CODEC.namespace("other-team\x1ftiny-llama|float16|flashinfer|bs16|tp0of1"))
+    assert CODEC.verify(other_key, NS, KEY, len(BLOCK)).status == v.FOREIGN
+    assert CODEC.verify(other_ns, NS, KEY, len(BLOCK)).status == v.FOREIGN
+
+
+def test_a_value_made_without_the_secret_is_forged_even_with_a_correct_crc():
+    """Everything public about a value (magic, digest, hash, length, crc) copied right;
+    the MAC made with a guessed key. And one made by a cluster with another secret."""
+    fields = v.FIELDS.pack(v.MAGIC, NS.full, KEY, len(BLOCK), zlib.crc32(BLOCK))
+    guessed = hashlib.sha256(fields + BLOCK).digest()
+    assert CODEC.verify(fields + guessed + BLOCK, NS, KEY, len(BLOCK)).status == v.FORGED
+    stranger = v.ValueCodec(os.urandom(32))
+    assert CODEC.verify(value(codec=stranger, ns=NS), NS, KEY, len(BLOCK)).status == v.FORGED
+
+
+def test_a_version_1_value_is_not_accepted():
+    """The old unauthenticated format: magic, 128-bit digest, hash, length, crc."""
+    old = struct.pack("<4s16s16sQI", b"KVT1", NS.full, KEY, len(BLOCK), zlib.crc32(BLOCK)) + BLOCK
+    assert not CODEC.verify(old, NS, KEY, len(BLOCK)).ok
+    assert not CODEC.key(NS, KEY).startswith(b"kvt1:")
 
 
 def test_a_block_of_another_size_is_torn_even_when_intact():
-    assert v.verify(value(), NS, KEY, len(BLOCK) * 2).status == v.TORN
+    assert CODEC.verify(value(), NS, KEY, len(BLOCK) * 2).status == v.TORN
 
 
 def test_missing_is_its_own_verdict():
-    assert v.verify(None, NS, KEY, len(BLOCK)).status == v.MISSING
+    assert CODEC.verify(None, NS, KEY, len(BLOCK)).status == v.MISSING
 
 
-def test_keys_differ_by_namespace_and_hash_and_carry_no_hash_tag():
-    k = v.remote_key(NS, KEY)
-    assert k != v.remote_key(NS, bytes(16))
-    assert k != v.remote_key(v.namespace_digest("x|y"), KEY)
+def test_keys_differ_by_namespace_hash_and_secret_and_carry_no_hash_tag():
+    k = CODEC.key(NS, KEY)
+    assert k != CODEC.key(NS, bytes(16))
+    assert k != CODEC.key(CODEC.namespace("team\x1fx|y"), KEY)
+    # Without the secret the namespace part of a key cannot be computed from the fingerprint.
+    assert k != v.ValueCodec(bytes(32)).key(v.ValueCodec(bytes(32)).namespace("team\x1ftiny-llama|float16|"
+                                                                               "flashinfer|bs16|tp0of1"), KEY)
     assert b"{" not in k  # no hash tag: blocks spread over every master
+
+
+def test_a_short_secret_is_refused():
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        v.ValueCodec(b"x" * 31)
