@@ -61,7 +61,7 @@ class Client:
         self.kv: "ShmKVCache | CudaKVCache | None" = None
         self.block_factor = 1
         self.reconnects = 0
-        self._ipc_event = None  # CUDA: the event recorded on the caller's stream for fences
+        self._fences = None  # CUDA: EventRing of the events recorded on the caller's stream
         self._events = None  # CUDA: daemon events opened from their IPC handles (EventCache)
         self._closed = False
         try:
@@ -351,9 +351,9 @@ class Client:
         if event is None and stream is None:
             return b""
         if stream is not None:
-            from ..transfer.events import record_on
-            self._ipc_event = record_on(stream, self._ipc_event)
-            event = self._ipc_event
+            from ..transfer.events import EventRing
+            self._fences = self._fences or EventRing()
+            event = self._fences.record(stream)
         return event if isinstance(event, bytes) else bytes(event.ipc_handle())
 
     def open_event(self, handle: bytes, device):

@@ -1,13 +1,20 @@
 """Interprocess CUDA events, both sides of the fences.
 
-The engine records one interprocess event per client on its stream
-(``record_on``): re-recording it before the daemon waits only makes the
-daemon wait for later work, never for less. Events received as IPC handles
+The engine records its fences from a small ring of interprocess events
+(``EventRing``): each transfer takes the next one, so an event the daemon
+still waits on is re-recorded only ``FENCE_RING`` transfers later. With a
+single event re-recorded for every transfer, an engine that keeps its GPU
+busy (it queues step N+1 before step N finished) could move a pending
+fence forward forever: the daemon would see it fire only when the GPU ran
+dry. Re-recording never makes the daemon wait for less, only for later work.
+The ring is smaller than the daemon's cache of opened events per
+registration, so no handle is opened twice while in use. Events received as IPC handles
 are opened once and kept in an ``EventCache`` (bounded, least recently used
 out): the daemon's copy engine caches the workers' events, the client caches
 the daemon's "copy finished" events.
 
-Primitives: ``record_on(stream, event)``, ``EventCache(limit).open(handle, device)``.
+Primitives: ``record_on(stream, event)``, ``EventRing(size).record(stream)``,
+``EventCache(limit).open(handle, device)``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,22 @@ def record_on(stream, event=None):
         event = torch.cuda.Event(interprocess=True)
     event.record(stream)
     return event
+
+
+FENCE_RING = 8  # < the daemon's opened-event cache per registration (gpu.MAX_OPEN_EVENTS)
+
+
+class EventRing:
+    """Interprocess events used round robin for the fences one client sends."""
+
+    def __init__(self, size: int = FENCE_RING):
+        self._events: list = [None] * size
+        self._next = 0
+
+    def record(self, stream):
+        i, self._next = self._next, (self._next + 1) % len(self._events)
+        self._events[i] = record_on(stream, self._events[i])
+        return self._events[i]
 
 
 class EventCache:

@@ -1,4 +1,5 @@
-"""One worker's unfired fence never stalls another client's copies (needs a GPU).
+"""Fences and devices: one worker's unfired fence never stalls another client's
+copies; TP ranks each register their own GPU (needs a GPU, two for the last test).
 
 A worker's store is fenced by an interprocess event recorded on its stream
 behind a long kernel: until that kernel ends, the daemon must not read the
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from kvtier.client import Client, CudaKVCache, Namespace, block_hashes
+from kvtier.transfer.events import FENCE_RING
+from kvtier.transfer.gpu import MAX_OPEN_EVENTS
 from tests.transfer.test_cuda import gpu_daemon  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.gpu
@@ -97,3 +100,43 @@ def test_a_worker_killed_with_its_fence_pending_is_reaped_and_stalls_no_one(gpu_
     finally:
         if p.is_alive():
             p.kill()
+
+
+def test_a_pending_fence_is_not_moved_forward_by_the_next_transfers(gpu_daemon):  # noqa: F811
+    """Each transfer's fence is its own event for the next FENCE_RING transfers:
+    a store fenced behind a long kernel, then FENCE_RING - 1 quick fences on another stream,
+    leave the first fence where it was (one shared event would now mean
+    'after the quick ones' - and on a busy engine, never)."""
+    assert FENCE_RING < MAX_OPEN_EVENTS  # the daemon never reopens a handle still in use
+    d = gpu_daemon()
+    kv = torch.randn(NB, 1 << 16, device="cuda").half()
+    slow, quick = torch.cuda.Stream(), torch.cuda.Stream()
+    with Client(d.socket, name="ring") as c:
+        c.register_kv_cache(CudaKVCache([kv]), [0], ns("ring"))
+        with torch.cuda.stream(slow):
+            torch.cuda._sleep(LONG_SPIN)
+        first = c.store(block_hashes(list(range(16)), 16), [0], stream=slow)
+        handles = {bytes(c._fences.record(quick).ipc_handle()) for _ in range(FENCE_RING - 2)}
+        keys = block_hashes(list(range(1000, 1016)), 16)
+        assert c.store(keys, [1], stream=quick).wait(timeout=30).done == 1  # not behind the spin
+        assert not first.done() and len(handles) == FENCE_RING - 2
+        assert first.wait(timeout=60).done == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_each_tp_rank_registers_its_own_gpu_and_blocks_cross_between_them(gpu_daemon):  # noqa: F811
+    """Two ranks, each with its KV on its own GPU (as TP workers are): the
+    daemon maps each registration by its device's UUID, and a block stored
+    from GPU 0 loads byte-exact into GPU 1."""
+    d = gpu_daemon()
+    kv0 = torch.randn(NB, 1 << 16, device="cuda:0").half()
+    kv1 = torch.zeros(NB, 1 << 16, device="cuda:1", dtype=torch.float16)
+    keys = block_hashes(list(range(32)), 16)
+    with Client(d.socket, name="rank0") as r0, Client(d.socket, name="rank1") as r1:
+        r0.register_kv_cache(CudaKVCache([kv0]), [0], ns("tp"))
+        r1.register_kv_cache(CudaKVCache([kv1]), [0], ns("tp"))
+        assert r0.store(keys, [2, 3], stream=torch.cuda.current_stream(0)).wait(timeout=30).done == 2
+        assert r1.load(keys, [5, 6], stream=torch.cuda.current_stream(1)).wait_event(
+            torch.cuda.current_stream(1)).ok
+        torch.cuda.synchronize(1)
+        assert torch.equal(kv1[5:7].cpu(), kv0[2:4].cpu())
