@@ -28,21 +28,19 @@ answering lookups while the GPU works.
 
 Primitives: ``GpuContext(pool, chunk, method)`` with ``engine(layout, device)``,
 ``stats()``, ``close()``; ``CudaCopyEngine.fence_fired(handle)``,
-``CudaCopyEngine.copy(pool, pairs, to_pool, wait_handle) -> done event handle``.
+``CudaCopyEngine.copy(pool, pairs, to_pool, cancelled) -> done event handle``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 
 from .gpu_copy import MethodChooser, RunCopier
 from .copy import Cancelled
 from .events import EventCache
-from .fences import FENCE_TIMEOUT_S, FenceTimeout
 from .mapping import local_uuids
 from .pinning import PinnedPool
 from .runs import Geometry
@@ -51,7 +49,6 @@ log = logging.getLogger("kvtier.gpu")
 METHODS = ("auto", "dma", "kernel")
 MAX_OPEN_EVENTS = 16  # imported worker events kept per registration
 DONE_RING = 32        # "done" events per registration, used round robin
-__all__ = ["CudaCopyEngine", "FENCE_TIMEOUT_S", "FenceTimeout", "GpuContext", "wait_event_on_host"]
 
 
 class GpuContext:
@@ -95,15 +92,13 @@ class CudaCopyEngine:
         with torch.cuda.device(self.device):
             return self._imported(handle).query()
 
-    def copy(self, pool: torch.Tensor, pairs, to_pool: bool, wait_handle: bytes = b"",
+    def copy(self, pool: torch.Tensor, pairs, to_pool: bool,
              cancelled: threading.Event | None = None) -> bytes:
-        """Runs on a copy thread; returns (the IPC handle of this op's "done"
-        event) once the bytes have really moved. ``cancelled`` set while the
-        fence is awaited stops the op before anything is queued."""
+        """Runs on a copy thread once the op's fence (if any) fired at the
+        gate; returns (the IPC handle of this op's "done" event) once the
+        bytes have really moved. A cancelled op stops before anything is queued."""
         timing = None
         with torch.cuda.device(self.device):
-            if wait_handle:
-                wait_event_on_host(self._imported(wait_handle), FENCE_TIMEOUT_S, cancelled)
             if cancelled is not None and cancelled.is_set():
                 raise Cancelled("cancelled before the copy was queued")
             slot, done, handle = self._done_event()
@@ -160,16 +155,3 @@ class CudaCopyEngine:
     def _imported(self, handle: bytes) -> torch.cuda.Event:
         """The worker's interprocess event, opened once per handle."""
         return self._events.open(handle, self.device)
-
-
-def wait_event_on_host(event, timeout: float, cancelled: threading.Event | None = None) -> None:
-    """Poll ``event`` with a short backoff (5 us .. 1 ms) until it fired."""
-    deadline = time.monotonic() + timeout
-    delay = 5e-6
-    while not event.query():
-        if cancelled is not None and cancelled.is_set():
-            raise Cancelled("cancelled while waiting for the worker's event")
-        if time.monotonic() > deadline:
-            raise FenceTimeout(f"worker event not done after {timeout:.0f}s (worker dead or hung)")
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
