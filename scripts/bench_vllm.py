@@ -1,17 +1,39 @@
-"""vLLM (CPU build) time-to-first-token with and without kvtier on long shared prefixes.
+"""The fair engine benchmark for vLLM (CPU build): what kvtier costs an engine, and what a hit gains.
 
-    python scripts/bench_vllm.py [--prefix-tokens 2048] [--prefixes 3] [--layers 8] [--hidden 512]
+    python scripts/bench_vllm.py --neighbours quiet,busy,engine     # the BENCHMARKS.md section 8 table (~10 min)
+    python scripts/bench_vllm.py --quick                             # a tiny smoke run (tests/e2e)
 
-Three engine processes over the same prompts (each prompt a new prefix of
-``--prefix-tokens`` random tokens plus a short suffix), one private daemon:
+Engines alive side by side, each a separate process started and warmed before
+anything is timed (``scripts/vllm_engine.py``), every one with the *same*
+settings, printed and diffed at the start:
 
-* ``vllm``  - no kvtier: every prompt prefilled (the baseline);
-* ``A``     - kvtier, empty pool: every lookup misses, the prefix is stored
-              (A vs baseline = the added cost of a miss);
-* ``B``     - kvtier, a new process: the prefix is loaded from kvtier.
+* ``alone``    - vLLM, no connector (the baseline of every ratio);
+* ``tier``     - vLLM with kvtier's connector, daemon up;
+* ``nodaemon`` - vLLM with kvtier's connector and no daemon at its socket.
 
-Prints per-engine median TTFT (a 1-token generate per prompt), the ratios
-against the baseline measured in the same run, and the hit rate.
+Same settings means the OpenMP binding too: vLLM's CPU build reserves one
+more core when *any* KV connector is configured, and on a 2-core machine that
+flips its choice from 1 compute thread to 2 (the ~235 vs ~430 ms of issue 26).
+The script pins ``VLLM_CPU_OMP_THREADS_BIND`` (``--omp-bind``, default: what
+vLLM picks without a connector) on every engine.
+
+Every engine's KV cache is written once and a few prompts run through it
+before timing. Rows (``--runs`` runs, each ``--prompts`` new prompts of
+``--prefix-tokens`` + 32 tokens, TTFT = a 1-token generate), each prompt sent to
+all the engines of its row back to back, the order rotating, so background
+load hits every side alike:
+
+* ``miss``     - tier: every lookup misses (each prompt is new), its blocks are stored;
+* ``no daemon`` - nodaemon;
+* ``hit``      - tier: vLLM's own prefix cache dropped, a prompt stored earlier (loaded from kvtier);
+* ``killed``   - tier after its daemon was SIGKILLed mid-run (last, once per run);
+* throughput   - 8 new 1,024-token prompts x 32 output tokens in one ``generate``.
+
+Neighbours (``--neighbours``, each a block of runs in the same invocation):
+``quiet`` (nothing added), ``busy`` (a busy-loop process on the cores), ``engine``
+(another vLLM engine prefilling new prompts the whole time: two engines at once).
+Output: median / p90 / max TTFT per row and its ratio against ``alone`` in the
+same runs, the machine's load average during each block.
 """
 
 from __future__ import annotations
@@ -19,78 +41,315 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import random
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-from benchlib import REPO  # noqa: F401  (puts the checkout first on sys.path)
+from benchlib import REPO, add_json_flag, emit, median, pct, table
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "client"))
+sys.path.insert(0, os.path.join(REPO, "client"))
 import vllm_offline as ex  # noqa: E402
+
+ENGINE = os.path.join(REPO, "scripts", "vllm_engine.py")
+SETTINGS_NOT_COMPARED = ("threads",)  # CPU seconds differ by nature
+
+
+class Engine:
+    """A ``vllm_engine.py`` process; ``call(op, **kw)`` -> its JSON answer."""
+
+    def __init__(self, name: str, model: str, args, extra: list[str], log_dir: str):
+        self.name = name
+        env = ex.engine_env(VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_CPU_OMP_THREADS_BIND=args.omp_bind)
+        cmd = [sys.executable, ENGINE, "--model", model, "--max-model-len", str(args.prefix_tokens + 256),
+               "--block-size", "32", *extra]
+        self.log = os.path.join(log_dir, f"{name}.log")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=open(self.log, "w"), text=True, env=env)
+        self.ready: dict | None = None
+        self.lock = threading.Lock()
+
+    def wait_ready(self) -> dict:
+        self.ready = self._read("READY ")
+        return self.ready
+
+    def _read(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return json.loads(line[len(tag):])
+        raise RuntimeError(f"engine {self.name} exited; log {self.log}:\n" + open(self.log).read()[-3000:])
+
+    def call(self, op: str, **kw) -> dict:
+        with self.lock:
+            self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+            self.proc.stdin.flush()
+            return self._read("RESULT ")
+
+    def ttft(self, prompt: list[int]) -> float:
+        return self.call("ttft", prompt=prompt)["s"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def default_bind() -> str:
+    """What vLLM's CPU build picks for an engine with no connector: every allowed
+    CPU but the last, which it leaves to the engine's other threads."""
+    cpus = sorted(os.sched_getaffinity(0))
+    keep = cpus[:-1] or cpus
+    return ",".join(str(c) for c in keep)
+
+
+def settings_diff(engines: list[Engine]) -> list[tuple[str, list]]:
+    """Leaf settings that differ between the engines: [(dotted key, [value per engine])]."""
+    flat = [_flatten({k: v for k, v in e.ready["settings"].items() if k not in SETTINGS_NOT_COMPARED})
+            for e in engines]
+    keys = sorted(set().union(*flat))
+    return [(k, [f.get(k) for f in flat]) for k in keys if len({json.dumps(f.get(k)) for f in flat}) > 1]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def compute_threads(e: Engine) -> list:
+    """(name, CPUs) of the engine core's threads that did real work (the OpenMP team)."""
+    return [(n, cpus) for n, cpus, s in e.ready["settings"]["threads"] if s > 0.5]
+
+
+class Neighbour:
+    """What else runs on the cores during a block: nothing, a busy loop, or a vLLM engine prefilling."""
+
+    def __init__(self, kind: str, engine: Engine | None, tokens: int):
+        self.kind, self.engine, self.tokens = kind, engine, tokens
+        self.proc: subprocess.Popen | None = None
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.prompts = 0
+
+    def __enter__(self):
+        if self.kind == "busy":
+            self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        elif self.kind == "engine":
+            self.thread = threading.Thread(target=self._loop, daemon=True)
+            self.thread.start()
+        return self
+
+    def _loop(self) -> None:
+        rng = random.Random(99)
+        while not self.stop.is_set():
+            self.engine.ttft([rng.randrange(1, 500) for _ in range(self.tokens)])
+            self.prompts += 1
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.thread is not None:
+            self.stop.set()
+            self.thread.join(120)
+
+
+class Prompts:
+    def __init__(self, tokens: int, seed: int):
+        self.rng, self.tokens = random.Random(seed), tokens
+
+    def new(self, n: int | None = None) -> list[int]:
+        return [self.rng.randrange(1, 500) for _ in range(n or self.tokens)]
+
+
+def interleave(step: int, cases: list[tuple[str, callable]]) -> dict[str, float]:
+    """Run one timed call per case, rotating the order by ``step``."""
+    k = step % len(cases)
+    return {name: fn() for name, fn in cases[k:] + cases[:k]}
+
+
+def one_block(args, eng: dict, prompts: Prompts, stored: list, times: dict, run: int) -> None:
+    """One run: the miss / no-daemon rows, then the hit row."""
+    for i in range(args.prompts):
+        p = prompts.new()
+        got = interleave(i + run, [(n, lambda e=eng[n]: e.ttft(p)) for n in ("alone", "tier", "nodaemon")])
+        stored.append(p)
+        for n, s in got.items():
+            times.setdefault(f"{n}/miss-row", []).append(s)
+    for i in range(args.prompts):
+        p, hit = prompts.new(), stored.pop(0)
+        for e in (eng["alone"], eng["tier"]):
+            e.call("reset")  # untimed: the next request can only hit kvtier
+        got = interleave(i + run, [("alone", lambda: eng["alone"].ttft(p)), ("tier", lambda: eng["tier"].ttft(hit))])
+        times.setdefault("alone/hit-row", []).append(got["alone"])
+        times.setdefault("tier/hit-row", []).append(got["tier"])
+
+
+def throughput(args, eng: dict, names: tuple, prompts: Prompts, rows: dict, run: int) -> None:
+    batch = [prompts.new(args.tp_tokens) for _ in range(args.tp_prompts)]
+    got = interleave(run, [(n, lambda e=eng[n]: e.call("generate", prompts=batch, max_tokens=args.tp_out)["s"])
+                           for n in names])
+    for n, s in got.items():
+        rows.setdefault(n, []).append(args.tp_prompts * args.tp_out / s)
+
+
+def stat_row(label: str, base: list[float], xs: list[float], per_run: list[float]) -> list:
+    return [label, round(median(xs) * 1e3, 1), round(pct(xs, 90) * 1e3, 1), round(max(xs) * 1e3, 1),
+            round(median(base) * 1e3, 1), round(median(xs) / median(base), 3), round(max(xs) / median(base), 2),
+            " ".join(f"{r:.2f}" for r in per_run)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefix-tokens", type=int, default=2048)
-    ap.add_argument("--prefixes", type=int, default=3)
+    ap.add_argument("--suffix-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=5, help="new prompts per row per run")
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--neighbours", default="quiet", help="comma list of quiet, busy, engine")
+    ap.add_argument("--omp-bind", default=default_bind(),
+                    help="VLLM_CPU_OMP_THREADS_BIND for every engine (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--tp-prompts", type=int, default=8)
+    ap.add_argument("--tp-tokens", type=int, default=1024)
+    ap.add_argument("--tp-out", type=int, default=32)
+    ap.add_argument("--no-killed", action="store_true", help="skip the daemon-killed rows")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    add_json_flag(ap)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.prefix_tokens, args.prompts, args.runs, args.layers, args.hidden = 256, 2, 1, 2, 128
+        args.warmup, args.tp_prompts, args.tp_tokens, args.tp_out = 1, 2, 128, 4
+    neighbours = [n for n in args.neighbours.split(",") if n]
+    if not set(neighbours) <= {"quiet", "busy", "engine"}:
+        ap.error("--neighbours: quiet, busy, engine")
+    prompt_len = args.prefix_tokens + args.suffix_tokens
     with tempfile.TemporaryDirectory() as tmp:
         model = ex.make_tiny_llama(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden)
-        prompts = [ex.shared_prefix_prompts(args.prefix_tokens, 1, suffix_tokens=32, seed=i)[0]
-                   for i in range(args.prefixes)]
-        pfile = os.path.join(tmp, "prompts.json")
-        json.dump(prompts, open(pfile, "w"))
         socket = os.path.join(tmp, "kvtier.sock")
-        daemon = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket, "--pool-size", "1GiB"],
+        daemon = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket, "--pool-size", "2GiB"],
                                   env=ex.engine_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not os.path.exists(socket):
+            if daemon.poll() is not None:
+                raise SystemExit("kvtier-daemon did not start")
+            time.sleep(0.05)
+        specs = {"alone": [], "tier": ["--kvtier", "--socket", socket],
+                 "nodaemon": ["--kvtier", "--socket", os.path.join(tmp, "absent.sock")]}
+        if "engine" in neighbours:
+            specs["neighbour"] = []
+        eng = {n: Engine(n, model, args, extra, tmp) for n, extra in specs.items()}
         try:
-            while not os.path.exists(socket):
-                if daemon.poll() is not None:
-                    raise SystemExit("kvtier-daemon did not start")
-                time.sleep(0.05)
-            run = lambda **kw: ex.run_engine_process(ex.engine_command(  # noqa: E731
-                model, pfile, max_tokens=1, max_model_len=args.prefix_tokens + 256, **kw))
-            res = {"vllm": run(socket=None, kvtier=False), "A": run(socket=socket), "B": run(socket=socket)}
-            from kvtier.client import Client
-            with Client(socket, name="bench") as c:
-                totals = c.stats()["totals"]
+            report = measure(args, eng, daemon, neighbours, prompt_len)
         finally:
-            daemon.terminate()
-            daemon.wait(30)
-    med = {k: statistics.median(v["ttft_s"]) for k, v in res.items()}
-    b = res["B"]["metrics"]
-    prompt_tokens = sum(len(p) for p in prompts)
-    summary = {
-        "prefix_tokens": args.prefix_tokens, "prefixes": args.prefixes, "layers": args.layers,
-        "hidden": args.hidden,
-        "ttft_ms": {k: round(v * 1e3, 1) for k, v in med.items()},
-        "ttft_all_ms": {k: [round(x * 1e3, 1) for x in v["ttft_s"]] for k, v in res.items()},
-        "B_speedup_vs_vllm": round(med["vllm"] / med["B"], 2),
-        "A_miss_overhead_vs_vllm": round(med["A"] / med["vllm"] - 1, 3),
-        "B_external_hit_tokens": b.get("vllm:external_prefix_cache_hits", 0),
-        "B_hit_rate_of_prompt_tokens": round(b.get("vllm:external_prefix_cache_hits", 0) / prompt_tokens, 3),
-        "kvtier_hit_rate": totals.get("hit_rate"),
-        "B_loaded_bytes": b.get("vllm:kv_offload_load_bytes", 0),
-    }
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"model: random Llama, {args.layers} layers, hidden {args.hidden}; "
-              f"{args.prefixes} prompts of {args.prefix_tokens}+32 tokens, each a new prefix")
-        for k, label in (("vllm", "vLLM alone (prefill)"), ("A", "A: kvtier, miss + store"),
-                         ("B", "B: kvtier, load")):
-            print(f"  {label:28s} TTFT median {med[k] * 1e3:8.1f} ms   {summary['ttft_all_ms'][k]}")
-        print(f"  B vs vLLM alone: {summary['B_speedup_vs_vllm']}x faster; "
-              f"A (miss) vs vLLM alone: {summary['A_miss_overhead_vs_vllm'] * 100:+.1f}%")
-        print(f"  B hit {summary['B_external_hit_tokens']} of {prompt_tokens} prompt tokens "
-              f"({summary['B_hit_rate_of_prompt_tokens'] * 100:.1f}%), kvtier hit rate {summary['kvtier_hit_rate']}, "
-              f"{summary['B_loaded_bytes'] / 2**20:.1f} MiB loaded")
+            for e in eng.values():
+                e.close()
+            if daemon.poll() is None:
+                daemon.terminate()
+                daemon.wait(30)
+    emit(report, report.pop("_tables"), args.json)
     return 0
+
+
+def measure(args, eng: dict, daemon, neighbours: list[str], prompt_len: int) -> dict:
+    t_start = time.time()
+    for e in eng.values():
+        e.wait_ready()
+    timed = ("alone", "tier", "nodaemon")
+    diff = settings_diff([eng[n] for n in timed])
+    print(f"engines up in {time.time() - t_start:.0f} s; VLLM_CPU_OMP_THREADS_BIND={args.omp_bind} on every engine",
+          flush=True)
+    for n in timed:
+        print(f"  {n:9s} compute threads {compute_threads(eng[n])}", flush=True)
+    print("  resolved settings that differ (alone / tier / nodaemon):" + ("" if diff else " none"))
+    for k, vals in diff:
+        print(f"    {k}: " + " / ".join(json.dumps(v) for v in vals))
+    prompts = Prompts(prompt_len, seed=1)
+    for e in eng.values():  # the KV cache written once, then a few prompts through every engine
+        e.call("touch_kv")
+        for _ in range(args.warmup):
+            e.ttft(prompts.new())
+        e.call("reset")
+    throughput(args, eng, timed, prompts, {}, 0)  # warm the batched path too
+    blocks, tp_blocks, loads = {}, {}, {}
+    for nb in neighbours:
+        times, per_run, tp, stored = {}, [], {}, []
+        load0 = os.getloadavg()[0]
+        with Neighbour(nb, eng.get("neighbour"), prompt_len) as _n:
+            for run in range(args.runs):
+                t = {}
+                one_block(args, eng, prompts, stored, t, run)
+                throughput(args, eng, timed, prompts, tp, run)
+                for k, v in t.items():
+                    times.setdefault(k, []).extend(v)
+                per_run.append(t)
+            loads[nb] = (load0, os.getloadavg()[0])
+        blocks[nb], tp_blocks[nb] = (times, per_run), tp
+        print(f"  block '{nb}' done (load average {loads[nb][0]:.1f} -> {loads[nb][1]:.1f})", flush=True)
+    killed, tp_kill = {}, {}
+    if not args.no_killed:
+        daemon.send_signal(signal.SIGKILL)  # mid-run: tier's client had a live connection
+        daemon.wait()
+        for run in range(args.runs):
+            for i in range(args.prompts):
+                p = prompts.new()
+                got = interleave(i + run, [(n, lambda e=eng[n]: e.ttft(p)) for n in ("alone", "tier")])
+                for n, s in got.items():
+                    killed.setdefault(n, []).append(s)
+        throughput(args, eng, ("alone", "tier"), prompts, tp_kill, 0)
+    return report(args, eng, blocks, tp_blocks, loads, killed, tp_kill, diff, prompt_len)
+
+
+def report(args, eng, blocks, tp_blocks, loads, killed, tp_kill, diff, prompt_len) -> dict:
+    headers = ["row", "median ms", "p90 ms", "max ms", "alone median ms", "median ratio", "max / alone median",
+               "per-run median ratios"]
+    tables, out = [], {"settings": {n: eng[n].ready["settings"] for n in ("alone", "tier", "nodaemon")},
+                       "settings_diff": diff, "omp_bind": args.omp_bind, "prompt_tokens": prompt_len,
+                       "blocks": {}}
+
+    def ratios(per_run, key, base):
+        return [median(r[key]) / median(r[base]) for r in per_run]
+
+    for nb, (times, per_run) in blocks.items():
+        rows = [stat_row("miss (daemon up)", times["alone/miss-row"], times["tier/miss-row"],
+                         ratios(per_run, "tier/miss-row", "alone/miss-row")),
+                stat_row("no daemon", times["alone/miss-row"], times["nodaemon/miss-row"],
+                         ratios(per_run, "nodaemon/miss-row", "alone/miss-row")),
+                stat_row("hit (loaded from kvtier)", times["alone/hit-row"], times["tier/hit-row"],
+                         ratios(per_run, "tier/hit-row", "alone/hit-row"))]
+        tp = tp_blocks[nb]
+        for n, label in (("tier", "throughput, miss"), ("nodaemon", "throughput, no daemon")):
+            rows.append([label, "", "", "", "", round(median(tp[n]) / median(tp["alone"]), 3), "",
+                         " ".join(f"{a / b:.2f}" for a, b in zip(tp[n], tp["alone"]))])
+        title = (f"neighbour: {nb} (load average {loads[nb][0]:.1f} -> {loads[nb][1]:.1f}); {args.runs} runs x "
+                 f"{args.prompts} prompts of {prompt_len} tokens; throughput ratio = tokens/s vs alone "
+                 f"({median(tp['alone']):.0f} tok/s alone)")
+        tables.append(table(headers, rows, title))
+        out["blocks"][nb] = {"load": loads[nb], "rows": [dict(zip(headers, r)) for r in rows],
+                             "ttft_s": times, "throughput_tok_s": tp}
+    if killed:
+        rows = [stat_row("daemon killed mid-run", killed["alone"], killed["tier"], [])]
+        rows.append(["throughput, daemon killed", "", "", "", "",
+                     round(median(tp_kill["tier"]) / median(tp_kill["alone"]), 3), "", ""])
+        tables.append(table(headers, rows, "after SIGKILL of the daemon (neighbour: as the last block)"))
+        out["killed"] = {"rows": [dict(zip(headers, r)) for r in rows], "ttft_s": killed,
+                         "throughput_tok_s": tp_kill}
+    m = eng["tier"].call("metrics")
+    out["tier_metrics"] = m
+    tables.append(f"tier engine counters: {json.dumps(m)}")
+    return {**out, "_tables": tables}
 
 
 if __name__ == "__main__":

@@ -148,3 +148,25 @@ def test_bench_engine_reports_every_row_of_issue_16_as_a_ratio():
     assert [tp["path"] for tp in out["throughput"]] == ["32-hash lookups/s, 2 clients",
                                                         "32-hash lookups/s, 2 clients (lookup_index on)"]
     assert all(tp["kvtier_rps"] > 0 and tp["base_rps"] > 0 for tp in out["throughput"])
+
+
+def test_bench_vllm_fair_benchmark_produces_every_row(tmp_path):
+    """Engines alone, with kvtier and with no daemon, alive side by side with the same
+    settings: every row (miss, no daemon, hit, throughput, daemon killed) comes out,
+    the hit row really loaded from kvtier, and the settings diff names only kvtier's KV mapping."""
+    report = tmp_path / "vllm.json"
+    out = run([os.path.join(SCRIPTS, "bench_vllm.py"), "--quick", "--json", str(report)], timeout=900).stdout
+    data = json.loads(report.read_text())
+    [block] = data["blocks"].values()
+    assert [r["row"] for r in block["rows"]] == ["miss (daemon up)", "no daemon", "hit (loaded from kvtier)",
+                                                 "throughput, miss", "throughput, no daemon"]
+    assert [r["row"] for r in data["killed"]["rows"]] == ["daemon killed mid-run", "throughput, daemon killed"]
+    for r in block["rows"][:3] + data["killed"]["rows"][:1]:
+        assert r["median ms"] > 0 and r["median ratio"] > 0
+    assert data["tier_metrics"]["vllm:external_prefix_cache_hits"] > 0
+    # Same engine settings on every side: the OpenMP binding included; only where the KV lives differs.
+    s = data["settings"]
+    assert s["alone"]["torch_threads"] == s["tier"]["torch_threads"] == s["nodaemon"]["torch_threads"]
+    assert {k for k, _ in data["settings_diff"]} <= {"kv_cache.mapping.names", "kv_cache.mapping.flags",
+                                                     "kv_cache.mapping.kB.Anonymous"}
+    assert "resolved settings that differ" in out and "miss (daemon up) |" in out
