@@ -68,7 +68,7 @@ class Daemon:
         env = {**os.environ, "PYTHONPATH": REPO, "KVTIER_GPU_COPY": method}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.daemon", "--socket", self.socket, "--pool-size", pool_size,
-             "--slab-size", "64MiB", "--gpu", "on"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+             "--slab-size", "64MiB", "--gpu", "on", "--config", "/dev/null"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 300
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None or time.monotonic() > deadline:

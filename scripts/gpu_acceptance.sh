@@ -25,6 +25,8 @@
 #   5. fences: a hung or killed worker never stalls another client's copies
 #   6. scripts/bench_gpu.py: store/load GB/s for 2 MiB blocks and the per-layer layout
 #      (32 x 64 KiB) next to pinned cudaMemcpy of the same bytes; pinning s/GiB
+#   7. scripts/bench_gpu_prefix.py: TTFT of a 2,048-token prefix loaded from another
+#      process vs prefilled (HF, Llama-3-8B-shaped random model, bfloat16)
 # and writes one results file (JSON; default results/gpu-acceptance-<host>-<time>.json).
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -85,6 +87,7 @@ step hf_continuous_batching_cuda "${PYTEST[@]}" -m gpu tests/integrations/test_t
 step engine_adapter_cuda "${PYTEST[@]}" -m gpu tests/integrations/test_engine_kv.py
 step fences "${PYTEST[@]}" -m gpu tests/transfer/test_cuda_fences.py
 step bench_gpu "$PY" scripts/bench_gpu.py --out "$WORK/bench_gpu.json"
+step bench_gpu_prefix "$PY" scripts/bench_gpu_prefix.py --out "$WORK/bench_gpu_prefix.json"
 
 # ---- 3. one results file -------------------------------------------------------------------
 "$PY" - "$OUT" "$WORK" "${STEPS[@]}" <<'EOF'
@@ -112,8 +115,9 @@ for name in steps:
     rc, seconds = read(os.path.join(work, f"{name}.rc")).split()
     doc["steps"][name] = {"passed": rc == "0", "exit": int(rc), "seconds": int(seconds),
                           "output_tail": read(os.path.join(work, f"{name}.log"))}
-bench = read(os.path.join(work, "bench_gpu.json"), limit=10**7)
-doc["bench_gpu"] = json.loads(bench) if bench else None
+for bench in ("bench_gpu", "bench_gpu_prefix"):
+    text = read(os.path.join(work, f"{bench}.json"), limit=10**7)
+    doc[bench] = json.loads(text) if text else None
 doc["passed"] = all(s["passed"] for s in doc["steps"].values())
 with open(out, "w") as f:
     json.dump(doc, f, indent=2)
