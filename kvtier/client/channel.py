@@ -6,9 +6,14 @@ queue their frames in the outbox (waking the owner) and wait on the
 condition for their reply, so a thread blocked on a long transfer never
 delays another thread's lookup.
 
+The socket's connection state comes from libzmq's monitor (connected,
+hung up), read by the owner with the replies: a hang-up is acted on only
+after every reply that arrived before it has been filed.
+
 Primitives: ``Channel(path, session)``, ``.open()``, ``.send(msg)``,
-``.call(msg, timeout)``, ``.poll_reply(id, timeout)``, ``.abandon(id)``,
-``.cancel(id)``, ``.own(deadline)`` (context manager), ``.close()``.
+``.call(msg, timeout)``, ``.poll_reply(id, timeout)``, ``.pump(timeout)``,
+``.settle(limit)``, ``.abandon(id)``, ``.cancel(id)``, ``.own(deadline)``
+(context manager), ``.close()``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol import messages as m
 from ..protocol.endpoints import endpoint
@@ -29,16 +35,20 @@ from .session import Session, Unsent
 
 
 class Channel:
-    def __init__(self, path: str, session: Session, timeout: float, on_forgotten: Callable[[], None]):
+    def __init__(self, path: str, session: Session, timeout: float, on_forgotten: Callable[[], None],
+                 on_hangup: Callable[[], None] = lambda: None):
         self.path, self.session, self.timeout = path, session, timeout
         self.on_forgotten = on_forgotten   # the daemon answered NOT_CONNECTED
+        self.on_hangup = on_hangup         # the connection closed (its replies are filed first)
+        self.link_up = False               # libzmq holds a connection to the daemon now
         self.cv = threading.Condition(threading.Lock())  # guards session, outbox, owner
         self._owner: int | None = None
         self._depth = 0
-        self._outbox: list[tuple[int, bytes, float]] = []
+        self._outbox: list[tuple[int, bytes]] = []
         self._waker = Waker()
         self._ctx = zmq.Context.instance()
         self._sock = None
+        self._monitor = None
         self._poller = None
 
     # ---- ownership ------------------------------------------------------------------------
@@ -79,38 +89,46 @@ class Channel:
         check_daemon_socket(self.path)  # before any token or memory goes to it
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a daemon that is not there
+        # Not ZMQ_IMMEDIATE: with it libzmq throws away replies that arrived but
+        # were not read yet when the daemon hangs up (its last answers before an
+        # exit). Frames sent while no daemon is connected are queued instead;
+        # whether anyone will answer them is the session's call (kernel liveness).
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(endpoint(self.path))
-        self._sock = sock
+        self._sock, self.link_up = sock, False
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._poller.register(self._waker.fd, zmq.POLLIN)
 
     def close_socket(self) -> None:
         """Owner only."""
         if self._sock is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
             self._sock.close(0)
-            self._sock = self._poller = None
+            self._sock = self._monitor = self._poller = None
+            self.link_up = False
 
     def close(self) -> None:
         self._waker.close()
 
     # ---- requests ---------------------------------------------------------------------------
-    def send(self, msg, connect_wait: float | None = None) -> int:
+    def send(self, msg) -> int:
         """Send (or queue for the socket's owner) one request; returns its id.
-        Raises DaemonUnavailable when this thread sends and no daemon is there."""
-        wait = min(self.timeout, 1.0) if connect_wait is None else connect_wait
+        Never waits: raises DaemonUnavailable when this thread sends and the
+        frame cannot be queued (no socket, send queue full)."""
         with self.cv:
             req_id, frame = self.session.request(msg)
             if self._owner not in (None, threading.get_ident()):
-                self._outbox.append((req_id, frame, wait))
+                self._outbox.append((req_id, frame))
                 self._waker.wake()  # the owner is in poll(): wake it to send
                 return req_id
             self._owner = threading.get_ident()
             self._depth += 1
         try:
             self._flush()
-            self._transmit(frame, wait)
+            self._transmit(frame)
         except DaemonUnavailable:
             with self.cv:
                 self.session.abandon(req_id)
@@ -119,10 +137,10 @@ class Channel:
             self._give()
         return req_id
 
-    def call(self, msg, timeout: float | None = None, connect_wait: float | None = None):
+    def call(self, msg, timeout: float | None = None):
         """Send and wait for the reply; raises DaemonUnavailable or KVTierError."""
         timeout = self.timeout if timeout is None else timeout
-        req_id = self.send(msg, connect_wait)
+        req_id = self.send(msg)
         reply = self.poll_reply(req_id, timeout)
         if reply is None:
             self.abandon(req_id)
@@ -154,6 +172,19 @@ class Channel:
         """File whatever replies arrive within ``timeout`` (for their waiters)."""
         self.poll_reply(0, timeout)  # request ids start at 1: this one never comes
 
+    def settle(self, limit: float) -> None:
+        """The daemon's process is gone: file what it sent before it hung up.
+        libzmq reads a connection up to its end before reporting the hang-up,
+        so once the monitor said so, every last reply is in our socket."""
+        deadline = time.monotonic() + limit
+        while self.link_up and time.monotonic() < deadline:
+            self.pump(0.05)
+        self.pump(0.0)
+
+    def wake(self) -> None:
+        """Make the owner's poll return (a waiter was resolved from outside)."""
+        self._waker.wake()
+
     def poll_reply(self, req_id: int, timeout: float):
         """The reply for ``req_id`` if it arrives within ``timeout``, else None.
         Pumps the socket when no other thread does; otherwise waits to be told."""
@@ -181,22 +212,15 @@ class Channel:
                     return self.session.take(req_id)
 
     # ---- owner's work -----------------------------------------------------------------------
-    def _transmit(self, frame: bytes, wait: float) -> None:
-        """IMMEDIATE: writable only while a daemon is connected. Try at once (the
-        common case costs no poll); else wait a bounded time (fresh socket,
-        daemon restarting), then report it missing."""
-        if self._sock is not None:
-            try:
-                self._sock.send(frame, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                pass
-        if self._sock is None or not self._sock.poll(int(wait * 1000), zmq.POLLOUT):
-            raise DaemonUnavailable(f"no kvtier daemon at {self.path}")
+    def _transmit(self, frame: bytes) -> None:
+        """Queue one frame without waiting: a full queue (thousands of frames no
+        daemon took) means nobody is reading them."""
+        if self._sock is None:
+            raise DaemonUnavailable(f"no connection to {self.path}")
         try:
             self._sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
-            raise DaemonUnavailable(f"no kvtier daemon at {self.path}") from None
+            raise DaemonUnavailable(f"no kvtier daemon reads from {self.path}") from None
 
     def _flush(self) -> None:
         """Send what other threads queued; a failure fails that request."""
@@ -204,9 +228,9 @@ class Channel:
             with self.cv:
                 if not self._outbox:
                     return
-                req_id, frame, wait = self._outbox.pop(0)
+                req_id, frame = self._outbox.pop(0)
             try:
-                self._transmit(frame, wait)
+                self._transmit(frame)
             except DaemonUnavailable as exc:
                 with self.cv:
                     self.session.fail(req_id, Unsent(str(exc)))
@@ -224,6 +248,23 @@ class Channel:
             self._flush()
         if self._sock in events:
             self._drain()
+        if self._monitor is not None and self._monitor in events:
+            self._link_events()
+
+    def _link_events(self) -> None:
+        """Follow the connection's state; on a hang-up, file the replies that
+        came before it, then tell the client."""
+        hung_up = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            self.link_up = event == zmq.EVENT_CONNECTED
+            hung_up |= event == zmq.EVENT_DISCONNECTED
+        if hung_up:
+            self._drain()
+            self.on_hangup()
 
     def _drain(self) -> None:
         """Read every reply available and hand each to its waiter."""

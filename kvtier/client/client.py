@@ -1,14 +1,14 @@
 """The engine-side client: the public API over a ``Channel`` and a ``Session``.
 
 Thread-safe for one engine worker. The daemon must never be the reason an
-engine stalls or crashes: a background thread pings it every heartbeat
-period; when it stops answering (killed, restarting) the session is marked
-lost and the data path degrades instead of raising - ``lookup`` returns 0,
-new transfers resolve at once with every block failed (so the engine
-recomputes), ``discard`` is a no-op. Transfers already sent are the
-exception: they stay held until the daemon answers them or its process is
-gone (see ``handles.py``). The same thread reconnects when a daemon is back
-and replays the registration.
+engine stalls or crashes: a background ``Keeper`` notices a daemon that
+exited (from the kernel) or hangs (pings), marks the session lost and
+reconnects with backoff when a daemon is back, replaying the registration.
+While the session is lost the data path degrades instead of raising or
+waiting - ``lookup`` returns 0, new transfers resolve at once with every
+block failed (so the engine recomputes), ``discard`` is a no-op. Transfers
+already sent are the exception: they stay held until the daemon answers
+them or its process is gone (see ``handles.py``).
 
 Primitives: ``register_kv_cache``, ``lookup``, ``lookup_many``, ``store``/``load`` (handles),
 ``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``ping``,
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -31,6 +30,7 @@ from .channel import Channel
 from .errors import DaemonUnavailable, KVTierError
 from .handover import hand_over
 from .handles import TransferHandle, failed_all
+from .keeper import Keeper
 from .namespace import Namespace
 from .session import SESSION_LOST, Session
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # torch is only needed by engines that allocate KV tensors
 
 log = logging.getLogger("kvtier.client")
 DEGRADED = (SESSION_LOST, ErrorCode.SHUTTING_DOWN)  # answers that mean "no daemon for now"
-CLOSE_CONFIRM_S = 5.0  # close(): how long to wait for the daemon to confirm cancelled transfers
 
 
 class Client:
@@ -48,35 +47,33 @@ class Client:
                  transfer_timeout: float = 60.0, token: str = "", heartbeat: bool = True,
                  require_daemon: bool = True):
         """Connect and say HELLO. With ``require_daemon=False`` a missing daemon
-        is not an error: the client starts degraded and connects when one appears."""
+        is not an error: the client starts degraded (waiting at most 1 s for a
+        socket file nobody answers) and connects when one appears."""
         self.socket_path = socket or default_socket()
         self.name = name or f"pid{os.getpid()}"
         self.timeout, self.transfer_timeout = timeout, transfer_timeout
         self.token = token or os.environ.get("KVTIER_TOKEN", "")  # same variable as the daemon's
         self.session = Session()
-        self.channel = Channel(self.socket_path, self.session, timeout, self._forgotten)
+        self.channel = Channel(self.socket_path, self.session, timeout, self._forgotten,
+                               lambda: self._lose_session("the daemon hung up"))
         self._register_args: tuple | None = None
         self._reg: m.Registered | None = None
         self._mirror = None  # ShmIndexReader of the namespace's ready hashes, when offered
         self.kv: "ShmKVCache | CudaKVCache | None" = None
         self.block_factor = 1
-        self.reconnects = 0
         self._fences = None  # CUDA: EventRing of the events recorded on the caller's stream
         self._events = None  # CUDA: daemon events opened from their IPC handles (EventCache)
         self._closed = False
         try:
-            self._open_session(self.timeout)
+            self._open_session(self.timeout if require_daemon else min(self.timeout, 1.0))
         except DaemonUnavailable:
             if require_daemon:
-                with self.channel.own(time.monotonic() + self.timeout):
-                    self.channel.close_socket()
                 self.channel.close()
                 raise
-        self._hb_stop = threading.Event()
-        self._hb = None
+        self.keeper = None
         if heartbeat:
-            self._hb = threading.Thread(target=self._heartbeat, name="kvtier-heartbeat", daemon=True)
-            self._hb.start()
+            self.keeper = Keeper(self.channel, self.session, self._open_session, self._lose_session, self.timeout)
+            self.keeper.start()
 
     # ---- session --------------------------------------------------------------------
     @property
@@ -95,6 +92,10 @@ class Client:
     def max_message(self) -> int:
         return self.session.max_message
 
+    @property
+    def reconnects(self) -> int:
+        return self.keeper.reconnects if self.keeper is not None else 0
+
     def _open_session(self, wait: float) -> None:
         """New socket, HELLO, replay the registration. Raises DaemonUnavailable."""
         if not self.socket_path.startswith(("tcp://", "ipc://")) and not os.path.exists(self.socket_path):
@@ -102,14 +103,18 @@ class Client:
             raise DaemonUnavailable(f"no kvtier daemon at {self.socket_path} (no such socket)")
         with self.channel.own(time.monotonic() + wait):
             self.channel.open()
-            pid = 0 if self.socket_path.startswith("tcp://") else os.getpid()
-            welcome = self.channel.call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token),
-                                        timeout=wait, connect_wait=wait)
-            with self.channel.cv:
-                self.session.welcome(welcome, self.socket_path)
-            if self._register_args is not None:
-                self._reg = self.channel.call(self._register_msg(self._register_args, wait), timeout=wait)
-                self._open_mirror(self._reg.index)
+            try:
+                pid = 0 if self.socket_path.startswith("tcp://") else os.getpid()
+                welcome = self.channel.call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token), timeout=wait)
+                with self.channel.cv:
+                    self.session.welcome(welcome, self.socket_path)
+                if self._register_args is not None:
+                    self._reg = self.channel.call(self._register_msg(self._register_args, wait), timeout=wait)
+                    self._open_mirror(self._reg.index)
+            except KVTierError:
+                # Frames queued on this socket must not reach a daemon that starts later.
+                self.channel.close_socket()
+                raise
             self.session.healthy = True
 
     def _lose_session(self, why: str) -> None:
@@ -120,6 +125,7 @@ class Client:
         with self.channel.cv:
             was = self.session.lose(why, daemon_gone=gone)
             self.channel.cv.notify_all()
+        self.channel.wake()  # a thread pumping the socket sees its waiter resolved at once
         if was:
             log.warning("kvtier: %s; degrading (0 hits, transfers fail) until it is back", why)
 
@@ -139,15 +145,26 @@ class Client:
                 raise
         return default
 
-    def close(self) -> None:
-        """Cancel what is in flight, wait for the daemon to confirm (bounded), say BYE."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Cancel what is in flight, wait until the daemon confirmed each cancel
+        (or its process is gone), say BYE, close. Until then the daemon may
+        still touch those transfers' engine blocks (a daemon that was only
+        stopped resumes its copies), so close never gives them up early.
+
+        ``timeout``: how long to wait for the confirmations (None: as long as
+        they take - one copy chunk each, or until the daemon's process is
+        gone). Past it, close returns False and closes nothing: the handles
+        stay pending (``held_blocks``), the memory stays registered, and a
+        later ``close`` continues. True once closed."""
         if self._closed:
-            return
+            return True
+        if not self._confirm_transfers(timeout):
+            log.error("kvtier: close: the daemon has not confirmed every cancelled transfer; "
+                      "their blocks stay held and the client stays open")
+            return False
         self._closed = True
-        if self._hb is not None:
-            self._hb_stop.set()
-            self._hb.join(timeout=5)
-        self._confirm_transfers(CLOSE_CONFIRM_S)
+        if self.keeper is not None:
+            self.keeper.stop()
         if self.session.healthy:
             try:
                 self.channel.call(m.Bye(), timeout=min(self.timeout, 1.0))
@@ -159,24 +176,26 @@ class Client:
         except DaemonUnavailable:
             pass
         lost = m.Error(int(SESSION_LOST), "client closed", "client")
-        self.channel.fail_all(lost, transfers_too=True)
+        self.channel.fail_all(lost, transfers_too=True)  # none is left that the daemon may touch
         self.session.healthy = False
         self.channel.close()
         self._open_mirror("")
+        return True
 
-    def _confirm_transfers(self, limit: float) -> None:
+    def _confirm_transfers(self, limit: float | None) -> bool:
+        """Cancel every transfer in flight; True once each is answered or the daemon is gone."""
         with self.channel.cv:
             pending = sorted(self.session.transfers_waiting())
         for rid in pending:
             self.channel.cancel(rid)
-        deadline = time.monotonic() + limit
-        while pending and time.monotonic() < deadline and not self.session.daemon.gone():
+        deadline = None if limit is None else time.monotonic() + limit
+        while pending and not self.session.daemon.gone():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             self.channel.pump(0.05)  # replies are filed for their handles
             with self.channel.cv:
                 pending = [r for r in pending if r in self.session.waiting and r not in self.session.replies]
-        if pending and not self.session.daemon.gone():
-            log.error("kvtier: closing with %d transfers the daemon did not confirm; "
-                      "their blocks may still be touched", len(pending))
+        return True
 
     def __enter__(self):
         return self
@@ -362,43 +381,6 @@ class Client:
             from ..transfer.events import EventCache
             self._events = EventCache(64)  # the daemon hands out up to 32 per registration
         return self._events.open(handle, device)
-
-    # ---- heartbeat ----------------------------------------------------------------------
-    def _heartbeat(self) -> None:
-        while not self._hb_stop.wait(self.session.heartbeat_s):
-            try:
-                self._beat()
-            except Exception:  # if this thread died the client would never reconnect
-                log.exception("kvtier: heartbeat failed; trying again next period")
-
-    def _beat(self) -> None:
-        """Ping while healthy; reconnect while not - but never replace a socket
-        whose transfers the living daemon has not answered yet."""
-        if self.session.healthy:
-            try:
-                self.channel.call(m.Ping(), timeout=max(2 * self.session.heartbeat_s, 1.0))
-            except DaemonUnavailable as exc:
-                self._lose_session(str(exc))
-            except KVTierError as exc:
-                if exc.code == SESSION_LOST:
-                    self._lose_session("the daemon no longer knows this client")
-            return
-        if self.session.daemon.gone():
-            lost = m.Error(int(SESSION_LOST), "daemon exited", "daemon")
-            self.channel.fail_all(lost, transfers_too=True)
-        elif self.session.transfers_waiting():
-            try:  # same socket: the daemon may just have been slow
-                self.channel.call(m.Ping(), timeout=min(self.timeout, 1.0))
-                self.session.healthy = True
-            except KVTierError:
-                pass
-            return
-        try:
-            self._open_session(min(self.timeout, 1.0))
-        except KVTierError:
-            return
-        self.reconnects += 1
-        log.warning("kvtier: reconnected to %s as client %d", self.socket_path, self.client_id)
 
 
 def _check_len(got: int, want: int) -> None:

@@ -50,7 +50,7 @@ class DaemonProcess:
                 self.start = psutil.Process(pid).create_time()
             except (psutil.Error, ValueError, OverflowError):
                 self.pid = 0  # not visible from here (other pid namespace): unknown
-        self.socket_path, self.socket_id = socket_path, _file_id(socket_path)
+        self.socket_path, self.socket_id = socket_path, file_id(socket_path)
 
     @property
     def known(self) -> bool:
@@ -60,7 +60,7 @@ class DaemonProcess:
         """True once the daemon is confirmed gone (never for an unknown pid)."""
         if not self.known:
             return False
-        if self.socket_id is not None and _file_id(self.socket_path) != self.socket_id:
+        if self.socket_id is not None and file_id(self.socket_path) != self.socket_id:
             return True
         try:
             p = psutil.Process(self.pid)
@@ -71,7 +71,7 @@ class DaemonProcess:
             return False
 
 
-def _file_id(path: str) -> tuple[int, int] | None:
+def file_id(path: str) -> tuple[int, int] | None:
     if not path or path.startswith(("tcp://", "ipc://")):
         return None
     try:

@@ -93,7 +93,11 @@ class Dispatcher:
                 return
             if kind is m.Hello:
                 srcfd = srcfd_of(frames)
-                reply = self.handlers.hello(client, msg, identity, req_id, self._peer(srcfd, config.socket))
+                # Hang-ups queued before this connection was accepted are applied
+                # first: an old connection's close must not end the session
+                # that now says HELLO on a reused descriptor number.
+                self.guard.on_events()
+                reply = self.handlers.hello(client, msg, identity, req_id, self._peer(srcfd, config.socket), srcfd)
                 self.guard.hello(srcfd)
             else:
                 reply = self.handlers.table[kind](client, msg, identity, req_id)

@@ -9,8 +9,11 @@ that is over the total or per-user cap, or that has not said HELLO by
 At startup ``fd_headroom`` raises the descriptor limit and refuses a limit
 too low for the configured caps.
 
+It also tells the sessions when a connection closed (``on_closed(fd)``):
+that, and the process's exit, is how a local client's session ends.
+
 Primitives: ``ConnectionGuard(router, path, settings)``, ``.fd`` (poll it),
-``.on_events()``, ``.hello(fd)``, ``.expire(now)``, ``.close()``,
+``.on_events()``, ``.on_closed``, ``.hello(fd)``, ``.expire(now)``, ``.close()``,
 ``fd_headroom(config)``.
 """
 
@@ -69,6 +72,7 @@ class ConnectionGuard:
         self.fd = self.monitor
         self.conns: dict[int, Conn] = {}
         self.counters: Counter = Counter()
+        self.on_closed: Callable[[int], None] = lambda fd: None
 
     def on_events(self) -> None:
         while True:
@@ -81,6 +85,7 @@ class ConnectionGuard:
                 self._accepted(fd)
             else:
                 self.conns.pop(fd, None)
+                self.on_closed(fd)
 
     def _accepted(self, fd: int) -> None:
         config = self.settings()

@@ -50,8 +50,8 @@ class RequestHandlers:
         assert set(self.table) == m.REQUESTS, "every request needs a handler"
 
     # ---- session ----------------------------------------------------------------------
-    def hello(self, client, msg: m.Hello, identity: bytes, req_id: int, peer=None):
-        return self.sessions.hello(identity, msg, peer)
+    def hello(self, client, msg: m.Hello, identity: bytes, req_id: int, peer=None, conn_fd: int = -1):
+        return self.sessions.hello(identity, msg, peer, conn_fd)
 
     def ping(self, client, msg, identity, req_id):
         return m.Ok()

@@ -112,6 +112,7 @@ class Daemon:
                                  self.counters, self.errors, self.housekeeping.latency)
         self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.counters,
                                  self.gpu, self.listener.handover, self.lookup_indexes)
+        self.guard.on_closed = self.sessions.hung_up
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
         self.dispatcher = Dispatcher(lambda: self.config, self.listener, self.sessions, self.handlers,
                                      self.guard, lambda: self.stopping, self.counters, self.errors)

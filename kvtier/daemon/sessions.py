@@ -1,14 +1,17 @@
 """Clients and their registrations: HELLO, REGISTER, and reaping.
 
 A client is reaped when its process exited (pid and start time checked), when
-it stayed silent past ``reap_after_s``, at BYE, at a second HELLO on the same
-connection, and at shutdown. Reaping cancels its transfers (each is still
+its connection closed, at BYE, at a second HELLO on the same connection, and
+at shutdown. A local client is never reaped for silence: the kernel says
+whether it lives, and an engine whose threads fill every core may not get to
+its heartbeat for seconds. Only remote (TCP) clients, whose process the
+kernel cannot show, are reaped after ``reap_after_s`` without a frame. Reaping cancels its transfers (each is still
 answered once its copy stopped), frees its swap, and closes its
 registrations; a registration's mappings go when its last copy returned.
 
 Primitives: ``Sessions.hello(identity, msg)``, ``.register(client, msg)``,
 ``.registration(client, reg_id)``, ``.close_registration(reg)``,
-``.release_if_idle(reg)``, ``.reap(client, why)``, ``.reap_dead()``.
+``.release_if_idle(reg)``, ``.reap(client, why)``, ``.reap_dead()``, ``.hung_up(fd)``.
 """
 
 from __future__ import annotations
@@ -52,9 +55,10 @@ class Sessions:
         self._next_client = self._next_reg = 0
 
     # ---- HELLO / BYE -------------------------------------------------------------------
-    def hello(self, identity: bytes, msg: m.Hello, peer: Peer | None = None) -> m.Welcome:
+    def hello(self, identity: bytes, msg: m.Hello, peer: Peer | None = None, conn_fd: int = -1) -> m.Welcome:
         """``peer``: the kernel's credentials of the connection (None: remote/TCP).
-        A local session's pid is the kernel's; the pid in HELLO is ignored then."""
+        A local session's pid is the kernel's; the pid in HELLO is ignored then.
+        ``conn_fd``: the connection's descriptor (the session ends when it closes)."""
         config = self.settings()
         if msg.version != m.PROTOCOL_VERSION:
             raise DaemonError(ErrorCode.VERSION_MISMATCH, f"client speaks v{msg.version}, daemon v{m.PROTOCOL_VERSION}")
@@ -71,7 +75,7 @@ class Sessions:
         tenant, admin = identify(peer, config)
         self._next_client += 1
         c = ClientState(self._next_client, identity, pid, msg.name[:128], start, swap_quota=operator_quota(config),
-                        peer=peer, tenant=tenant, admin=admin)
+                        peer=peer, tenant=tenant, admin=admin, conn_fd=conn_fd)
         self.clients[identity] = c
         log.info("client %d connected: pid=%d uid=%s tenant=%s%s name=%r", c.id, c.pid, c.uid, tenant,
                  " (admin)" if admin else "", c.name)
@@ -190,12 +194,17 @@ class Sessions:
             try:
                 if not c.process_alive():
                     self.reap(c, "process exited")
-                elif now - c.last_seen > limit:
+                elif c.peer is None and now - c.last_seen > limit:
                     self.reap(c, f"silent for {now - c.last_seen:.1f}s")
             except Exception:  # one odd entry must not stop every other client's reaping
                 log.exception("reaping client %d failed; dropping it", c.id)
                 self.clients.pop(c.identity, None)
         self.forget_idle_namespaces()
+
+    def hung_up(self, fd: int) -> None:
+        """Connection ``fd`` closed: the sessions said HELLO on it end."""
+        for c in [c for c in self.clients.values() if c.conn_fd == fd >= 0]:
+            self.reap(c, "connection closed" if c.process_alive() else "process exited")
 
     def reap(self, c: ClientState, why: str) -> None:
         """Forget a client: cancel its copies, free its swap, close its caches."""

@@ -14,32 +14,27 @@ from kvtier.protocol import messages as m
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
 
-# Reap a silent client after 0.5 s; every copy stalls 5 s so a store is still in flight.
-FAST_REAP = {"KVTIER_HEARTBEAT_S": "0.2", "KVTIER_REAP_AFTER_S": "0.5", "KVTIER_COPY_DELAY_S": "5"}
+SLOW_COPY = {"KVTIER_COPY_DELAY_S": "5"}  # every copy stalls 5 s: a store is still in flight
 
 
-def test_a_reaped_clients_transfer_ends_with_the_daemons_cancel_confirmation(daemon_factory):
-    """The daemon reaps a silent client mid-store: it cancels the copy and still
+def test_a_forgotten_clients_transfer_ends_with_the_daemons_cancel_confirmation(daemon_factory):
+    """The daemon forgets a client mid-store (here: a second HELLO on its
+    connection, which starts a new session): it cancels the copy and still
     answers it once stopped, so the handle resolves soon (not after
     transfer_timeout) and only after nothing touches the blocks."""
-    d = daemon_factory(process=True, env=FAST_REAP)
+    d = daemon_factory(process=True, env=SLOW_COPY)
     kv = make_kv(seed=2)
     hashes = [bytes([i]) * 16 for i in range(4)]
-    # No heartbeat thread: the client goes silent and the daemon reaps it mid-store.
-    c = d.client(name="stalled", heartbeat=False)
+    c = d.client(name="restarting", heartbeat=False)
     try:
         c.register_kv_cache(kv, [0] * 4, NS)
         h = c.store(hashes, [0, 1, 2, 3])
-        assert wait_for(lambda: not d.stats(check=False)["clients"], 10)
-        # The next call hears NOT_CONNECTED. discard is a no-op then (the swap
-        # went with the session), like lookup returning 0 ...
-        c.discard("never-offloaded")
-        assert not c.connected and c.lookup(hashes) == 0
-        # ... and the store the daemon cancelled resolves with the daemon's
-        # confirmation, not after transfer_timeout (60 s).
+        assert wait_for(lambda: d.stats(check=False)["clients"][0]["inflight"] == 1, 10)
+        c.channel.call(m.Hello(m.PROTOCOL_VERSION, 0, "restarting", ""), timeout=10)
         r = h.wait(timeout=5)
         assert r.failed == (0, 1, 2, 3) and "cancelled" in r.error
         assert h.held_blocks == ()
+        assert d.stats()["namespaces"][0]["writing"] == 0
     finally:
         c.close()
         kv.close()
@@ -91,7 +86,7 @@ def test_undecodable_reply_neither_raises_nor_stops_the_heartbeat(tmp_path):
         # The garbled ping reply is dropped, the ping times out, the session is
         # marked lost and the heartbeat thread reconnects (HELLO again).
         assert wait_for(lambda: c.reconnects == 1 and c.connected, 10)
-        assert peer.hellos == 2 and c._hb.is_alive()
+        assert peer.hellos == 2 and c.keeper.alive
     finally:
         c.close()
         peer.close()

@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.client import Client
 from tests.daemon.test_reaping import wait_for
+from tests.daemon.test_transfer_finality import stays
 from tests.helpers import NS, make_kv, spawn
 
 HASHES = [bytes([i]) * 16 for i in range(16)]
@@ -68,21 +69,47 @@ def test_sigkill_at_every_point_returns_the_pool_to_baseline(daemon_factory, tmp
     kv.close()
 
 
-def test_a_hung_client_is_reaped_by_heartbeat_silence_and_recovers(daemon_factory, tmp_path):
+def test_a_stopped_client_keeps_its_session_while_its_process_lives(daemon_factory, tmp_path):
+    """Liveness comes from the kernel, not from heartbeats: an engine that sends
+    nothing for many reap periods (stopped here; an engine whose threads fill
+    every core looks the same) keeps its session, swap and registration, goes
+    on in the same session when it runs again, and is reaped once its process
+    is gone."""
     d = daemon_factory(process=True, env={"KVTIER_HEARTBEAT_S": "0.3", "KVTIER_REAP_AFTER_S": "1.5"})
     ready = str(tmp_path / "ready")
     p, _ = spawn(engine_until, d.socket, "swap", ready)
     assert wait_for(lambda: os.path.exists(ready), 30)
-    assert d.stats()["swap"]["bytes"] > 0
-    os.kill(p.pid, signal.SIGSTOP)  # alive but silent: a hung engine
-    stopped = time.monotonic()
+    sessions = [c["id"] for c in d.stats()["clients"]]
+    assert len(sessions) == 1 and d.stats()["swap"]["bytes"] > 0
+
+    def unchanged() -> bool:
+        s = d.stats()
+        return [c["id"] for c in s["clients"]] == sessions and s["swap"]["bytes"] > 0
+    os.kill(p.pid, signal.SIGSTOP)  # alive but silent
     try:
-        assert wait_for(lambda: d.stats()["swap"]["bytes"] == 0, 10)
-        assert 1.0 <= time.monotonic() - stopped < 6.0  # silence counts from the last ping
-        assert "silent for" in d.read_log()
+        assert stays(unchanged, 3.0)  # twice reap_after_s without a frame
         os.kill(p.pid, signal.SIGCONT)
-        # Its heartbeat learns it was forgotten and it says HELLO again by itself.
-        assert wait_for(lambda: [c["name"] for c in d.stats()["clients"]] == ["victim-swap"], 10)
+        assert stays(unchanged, 1.0)  # no second HELLO: its pings were answered all along
+        assert "silent for" not in d.read_log() and "reaped" not in d.read_log()
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
+    assert wait_for(lambda: not d.stats()["clients"] and d.stats()["swap"]["bytes"] == 0, 10)
+    assert any(f"reaped ({why})" in d.read_log() for why in ("process exited", "connection closed"))
+
+
+def test_a_client_whose_connection_closes_is_reaped_at_once(daemon_factory, tmp_path):
+    """The connection's end is the other kernel fact: an engine process that
+    lives on but dropped its socket (no BYE) loses its session and swap."""
+    d = daemon_factory(process=True, env={"KVTIER_HEARTBEAT_S": "0.3", "KVTIER_REAP_AFTER_S": "60"})
+    kv = make_kv(seed=4)
+    c = d.client(name="dropper", heartbeat=False)
+    c.register_kv_cache(kv, [0] * 4, NS)
+    assert c.offload({"a": list(range(8))}).wait().ok
+    assert d.stats()["swap"]["bytes"] > 0
+    with c.channel.own(time.monotonic() + 5):
+        c.channel.close_socket()  # what a crashed ZeroMQ context or a leaked client looks like
+    assert wait_for(lambda: not d.stats()["clients"] and d.stats()["swap"]["bytes"] == 0, 10)
+    assert "reaped (connection closed)" in d.read_log()
+    c.close()
+    kv.close()
