@@ -194,6 +194,8 @@ class Sessions:
             try:
                 if not c.process_alive():
                     self.reap(c, "process exited")
+                elif c.hung_up:
+                    self.reap(c, "connection closed")
                 elif c.peer is None and now - c.last_seen > limit:
                     self.reap(c, f"silent for {now - c.last_seen:.1f}s")
             except Exception:  # one odd entry must not stop every other client's reaping
@@ -204,7 +206,10 @@ class Sessions:
     def hung_up(self, fd: int) -> None:
         """Connection ``fd`` closed: the sessions said HELLO on it end."""
         for c in [c for c in self.clients.values() if c.conn_fd == fd >= 0]:
-            self.reap(c, "connection closed" if c.process_alive() else "process exited")
+            if not c.process_alive():
+                self.reap(c, "process exited")
+            else:  # a dying process closes its sockets before it is seen dead: ask again next pass
+                c.hung_up, c.conn_fd = True, -1
 
     def reap(self, c: ClientState, why: str) -> None:
         """Forget a client: cancel its copies, free its swap, close its caches."""

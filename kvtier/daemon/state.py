@@ -48,6 +48,7 @@ class ClientState:
     swap_quota: int | float = float("inf")  # bytes (0: no swap); inf: only the pool-wide cap applies
     peer: Any = None                  # kernel credentials (peers.Peer); None: remote (TCP)
     conn_fd: int = -1                 # the connection it said HELLO on (libzmq's descriptor)
+    hung_up: bool = False             # that connection closed (reaped at the next pass)
     tenant: str = "remote"            # who owns the namespaces this client creates
     admin: bool = False               # may flush and see every tenant
 
