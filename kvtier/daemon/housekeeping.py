@@ -49,9 +49,10 @@ class Housekeeping:
         if not self.config.metrics:
             return
         from .metrics import serve_metrics  # prometheus_client only when metrics are on
+        from .operators import is_operator
         self.notifier.status(f"starting metrics on {self.config.metrics}")
         self.snapshot = self.stats()
-        self.metrics_server = serve_metrics(self.config.metrics, lambda: self.snapshot)
+        self.metrics_server = serve_metrics(self.config.metrics, lambda: self.snapshot, is_operator(self.config))
         log.info("metrics on http://%s/metrics", self.metrics_server.address)
 
     def notify_ready(self) -> None:

@@ -19,8 +19,9 @@ import zmq
 
 from ..protocol.codec import encode
 from ..protocol.endpoints import endpoint
-from .config import DaemonConfig
+from .config import DaemonConfig, admin_gid
 from .handover import Handover
+from .operators import bind_private_ipc
 
 HANDOVER_SUFFIX = ".fd"  # the hand-over socket lives next to the ZeroMQ socket
 
@@ -131,7 +132,24 @@ class Listener:
         if config.events:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
-            self.pub.bind(endpoint(config.events))
+            self._bind_events(config)
+
+    def _bind_events(self, config: DaemonConfig) -> None:
+        """Every tenant's block hashes: an ipc socket only operators can connect to
+        (operators.py); a tcp endpoint cannot be restricted by user, and the log says so."""
+        if config.events.startswith("tcp://"):
+            self.pub.bind(config.events)
+            log.warning("events on %s: whoever reaches that address reads every tenant's block events "
+                        "(an ipc path limits them to root, the daemon's user and admin_group)", config.events)
+            return
+        path = config.events.removeprefix("ipc://")
+        gid = admin_gid(config.admin_group) if config.admin_group else None
+        try:
+            bind_private_ipc(self.pub, path, gid)
+        except PermissionError as exc:
+            self.close()
+            raise StartupError(f"events {path}: cannot give it to admin_group {config.admin_group!r}: {exc}") \
+                from None
 
     def send(self, identity: bytes, req_id: int, reply) -> None:
         try:

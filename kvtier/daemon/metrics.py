@@ -4,18 +4,33 @@ prometheus_client's HTTP server answers scrapes on its own thread. The
 collector therefore never touches daemon state: it turns the latest published
 snapshot (``stats()`` output, replaced whole by the loop every 0.5 s) into
 metric families at scrape time. Everything is prefixed ``kvtier_``.
+
+Namespace series are labelled with every tenant's fingerprints and names, so
+the endpoint is for operators: a scrape from a local user who is not one
+(operators.py: root, the daemon's user, ``admin_group``) is answered 403
+and gets nothing. Peers on other machines are the network's to allow.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import start_http_server
+import logging
+import socket
+import threading
+from wsgiref.simple_server import make_server
+
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import CollectorRegistry
 
 from .config import metrics_address
+from .operators import tcp_peer_uid
+
+log = logging.getLogger("kvtier.daemon")
+FORBIDDEN = (b"HTTP/1.0 403 Forbidden\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+             b"kvtier metrics show every tenant: root, the daemon's user and admin_group only\n")
 
 POOL_GAUGES = (  # stats key under "pool", metric name, help
     ("capacity_bytes", "pool_capacity_bytes", "Pool size in bytes."),
@@ -158,11 +173,37 @@ class MetricsServer:
         self.thread.join(5)
 
 
-def serve_metrics(address: str, get_snapshot: Callable[[], dict | None]) -> MetricsServer:
-    """Start the HTTP exposition thread; raises OSError when the port is taken."""
+class OperatorsOnly(ThreadingWSGIServer):
+    """Answers a local peer that is not an operator with 403 before reading its request."""
+    allow: Callable[[int], bool] = staticmethod(lambda uid: False)
+    refused: set
+
+    def verify_request(self, request, client_address) -> bool:
+        uid = tcp_peer_uid(client_address, request.getsockname())
+        if uid is None or self.allow(uid):
+            return True
+        if uid not in self.refused:  # once per uid: a scraper retrying must not flood the log
+            self.refused.add(uid)
+            log.warning("metrics scrape from uid %d refused (not root, the daemon's user or admin_group)", uid)
+        try:
+            request.sendall(FORBIDDEN)
+        except OSError:
+            pass
+        return False
+
+
+def serve_metrics(address: str, get_snapshot: Callable[[], dict | None],
+                  allow: Callable[[int], bool]) -> MetricsServer:
+    """Start the HTTP exposition thread; raises OSError when the port is taken.
+    ``allow(uid)``: may a local peer of that uid read them."""
     host, port = metrics_address(address)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(get_snapshot))
     ProcessCollector(registry=registry)  # RSS, CPU, fds: the usual process_* series
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    server = type("Server", (OperatorsOnly,), {"allow": staticmethod(allow), "refused": set()})
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server.address_family = info[0]
+    httpd = make_server(info[4][0], port, make_wsgi_app(registry), server, handler_class=_SilentHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="kvtier-metrics", daemon=True)
+    thread.start()
     return MetricsServer(httpd, thread)
