@@ -264,6 +264,8 @@ def load_config(path: str | None = None, env: dict | None = None, flags: dict | 
         except RecursionError:  # tomllib recurses per nesting level; at SIGHUP this would kill the loop
             raise ValueError(f"config file {file}: nested too deeply") from None
         for key, value in raw.items():
+            if key in MOVED and value in ("", None):
+                continue  # an older shipped config's empty default: nothing moves, nothing to refuse
             values[key] = _coerce(key, value, file)
     env = os.environ if env is None else env
     for key in MOVED:  # a unit's Environment= is no secret either

@@ -169,7 +169,7 @@ def test_with_the_store_hung_lookups_are_answered_at_the_deadline(daemon_factory
     once: each gets its local hits (0) from the deadline clock (remote_timeout_s), not after
     the store's seconds-long client timeouts; a locally cached chain is answered all along."""
     cl = own_cluster
-    n = node(daemon_factory, cl.url)
+    n = node(daemon_factory, cl.url, env={"KVTIER_REMOTE_TIMEOUT_S": "0.3"})
     local = [t + 1_500_000 for t in TOKENS]
     expected = store_prefix(n, local, seed=26)
     wait_remote(n, "written", 12)

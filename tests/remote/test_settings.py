@@ -16,12 +16,19 @@ def test_a_seed_list_with_credentials_parses_and_displays_without_them():
     assert "Q" not in repr(RemoteSettings("redis://h:1", secret=b"Q" * 32, password="Q" * 9))
 
 
-def test_the_daemon_config_refuses_credentials_where_engine_users_can_read_them():
+def test_the_daemon_config_refuses_credentials_where_engine_users_can_read_them(tmp_path):
     """kvtier.toml and the environment of the unit are readable by group kvtier."""
     with pytest.raises(ValueError, match="config remote: credentials in the URL"):
         DaemonConfig(remote="redis://bob:pw@h:1", remote_secret_file="/x")
     with pytest.raises(ValueError, match="config remote_password: moved to remote_secret_file"):
         load_config(env={"KVTIER_REMOTE": "redis://h:1", "KVTIER_REMOTE_PASSWORD": "pw"})
+    # An older shipped kvtier.toml says remote_password = "": upgrading must not break it.
+    old = tmp_path / "kvtier.toml"
+    old.write_text('remote_password = ""\n')
+    assert load_config(str(old), env={}).remote == ""
+    old.write_text('remote_password = "pw"\n')
+    with pytest.raises(ValueError, match="config remote_password: moved to remote_secret_file"):
+        load_config(str(old), env={})
     with pytest.raises(ValueError, match="config remote_secret_file: the remote tier needs a secret file"):
         DaemonConfig(remote="redis://h:1", remote_secret_file="")
 

@@ -29,8 +29,10 @@ def _secret_file(tmp_path_factory):
 
 
 def node(daemon_factory, url: str, tenants: str = f"{TEAM}:{os.geteuid()}", env=None, **kw):
-    """A node's daemon on the cluster at ``url``, with the cluster's secret file."""
-    return daemon_factory(env={"KVTIER_REMOTE": url, "KVTIER_REMOTE_TIMEOUT_S": "0.3",
+    """A node's daemon on the cluster at ``url``, with the cluster's secret file. A lookup
+    that asks the cluster is answered within remote_timeout_s: generous here, so that a busy
+    test machine never turns a remote hit into a miss (tests of a hung store set it low)."""
+    return daemon_factory(env={"KVTIER_REMOTE": url, "KVTIER_REMOTE_TIMEOUT_S": "5",
                                "KVTIER_REMOTE_SECRET_FILE": SECRET_FILE["path"], "KVTIER_TENANTS": tenants,
                                **(env or {})}, **kw)
 
