@@ -1,22 +1,33 @@
 #!/usr/bin/env python
-"""HF continuous batching on kvtier: swap vs soft reset, and a second process's TTFT.
+"""HF continuous batching on kvtier, the fair way: what kvtier costs, what a swap and a hit gain.
 
-    python scripts/bench_hf.py [--requests 24] [--blocks 40] [--doc 1024] [--reps 2]
+    python scripts/bench_hf.py            # the BENCHMARKS.md section 9 tables (~5 min)
+    python scripts/bench_hf.py --quick    # a tiny smoke run (tests/e2e)
 
-A random Llama (seeded, no download; ``--hidden``/``--layers`` size it) on CPU.
+A random Llama (seeded, no download; ``--hidden``/``--layers`` size it) on CPU,
+``--threads`` torch threads in every engine.
 
-1. Cache pressure: ``--requests`` prompts of 64-192 tokens, 32 new tokens
-   each, a paged cache of ``--blocks`` blocks of 16 tokens (a fraction of the
-   workload). Generated tokens/s of plain HF (its CPU swap pool cannot exist
-   on CPU, so preempted requests are soft reset: recomputed) against the same
-   run with kvtier as the swap pool. Both in this process, alternating,
-   ``--reps`` times each; the best run of each is reported.
-2. Second process: engine A (this process) answers a question about a
+Engines alive side by side, one process each, built and warmed before
+anything is timed, the same settings (printed, with any difference): plain
+HF, HF with kvtier (daemon up), HF with kvtier and no daemon at its socket.
+Each run sends the same requests to every engine in turn, the order
+rotating, ``--runs`` runs; the ratio is the median of the per-run ratios to
+plain HF. Timed from submitting the requests to the last result.
+
+1. No reuse, no cache pressure: ``--requests`` new prompts of
+   ``--prompt-min``..``--prompt-max`` tokens, ``--new-tokens`` each, a cache that
+   holds them all (kvtier looks up, misses, stores; nothing is swapped):
+   generated tokens/s of each engine.
+2. Cache pressure: the same kind of workload through ``--blocks`` blocks of 16
+   tokens. Plain HF soft-resets (recomputes) preempted requests (its CPU swap
+   pool needs pinned memory, which a CPU-only machine does not have); kvtier
+   swaps them out and back. The pool is flushed before each kvtier run.
+3. Second process: engine A (this process) answers a question about a
    ``--doc``-token document with kvtier, which stores the document's blocks.
    Engine B, a fresh process, then asks other questions: time to first token
    with plain HF vs with kvtier (document loaded from the pool), each question
-   on a fresh engine (a cold cache, as a new process has), median of
-   ``--questions``.
+   on a fresh engine (a cold cache, as a new process has), the two alternating,
+   median of ``--questions``.
 
 Every kvtier run's tokens are checked against the plain HF run's.
 """
@@ -36,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 
+from benchlib import no_system_config  # noqa: E402
 from kvtier.client import Client  # noqa: E402
 from kvtier.demo.daemon_proc import PrivateDaemon  # noqa: E402
 from kvtier.integrations.transformers import KVTierContinuousBatchingManager  # noqa: E402
@@ -104,39 +116,125 @@ def ttft_ms(output) -> float:
     return (output.timestamps[0] - output.created_time) * 1e3
 
 
-def pressure(args, model, socket) -> None:
+class Side:
+    """One engine kept alive in its own process (spawned, model built, warmed once):
+    ``plain`` HF, ``tier`` (kvtier, daemon up) or ``nodaemon`` (kvtier, no daemon at its socket)."""
+
+    def __init__(self, kind: str, args, socket: str):
+        ctx = mp.get_context("spawn")
+        self.kind, self.cmds, self.out = kind, ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_side_main, args=(kind, args.hidden, args.layers, args.threads, socket,
+                                                         self.cmds, self.out), daemon=True)
+        self.proc.start()
+
+    def settings(self) -> dict:
+        return self._get()
+
+    def run(self, inputs, blocks: int, new_tokens: int) -> dict:
+        self.cmds.put((inputs, blocks, new_tokens))
+        return self._get()
+
+    def _get(self):
+        status, value = self.out.get(timeout=1800)
+        if status != "ok":
+            sys.exit(f"{self.kind} engine failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        self.cmds.put(None)
+        self.proc.join(60)
+
+
+def _side_main(kind, hidden, layers, threads, socket, cmds, out) -> None:
+    import traceback
+    try:
+        torch.set_num_threads(threads)
+        model = build_model(hidden, layers)
+        out.put(("ok", {"torch_threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+                        "affinity": sorted(os.sched_getaffinity(0)), "page_size": PAGE,
+                        "attn": model.config._attn_implementation, "dtype": str(model.dtype),
+                        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OMP_", "KMP_", "MKL_"))}}))
+        while (cmd := cmds.get()) is not None:
+            inputs, blocks, new = cmd
+            if kind == "plain":
+                outs, (wall, cpu) = plain_hf(model, inputs, blocks, new_tokens=new)
+                counters = {}
+            else:
+                sock = socket if kind == "tier" else socket + ".absent"
+                outs, c, (wall, cpu) = with_kvtier(model, inputs, blocks, sock, new_tokens=new)
+                counters = {k: getattr(c, k) for k in ("stored_blocks", "prefix_hits", "offloaded_requests",
+                                                         "restored_requests", "soft_resets", "computed_tokens")}
+            out.put(("ok", {"wall": wall, "cpu": cpu, "tokens": [o.generated_tokens for o in outs],
+                            "counters": counters}))
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+def side_by_side(args, sides: dict, socket: str, title: str, make_inputs, blocks: int, new: int,
+                 flush: bool) -> list[str]:
+    """``--runs`` runs; in each, the same requests go to every side in turn (the order rotating).
+    Returns printed lines; tokens are checked identical to plain HF's in every run."""
+    names = list(sides)
+    walls = {n: [] for n in names}
+    last = {}
+    load0 = os.getloadavg()[0]
+    for run in range(args.runs):
+        inputs = make_inputs(run)
+        k = run % len(names)
+        for n in names[k:] + names[:k]:
+            if flush and n == "tier":
+                with Client(socket) as client:
+                    client.flush()  # a run measures swap, not the prefix hits of an earlier run
+            last[n] = sides[n].run(inputs, blocks, new)
+            walls[n].append(last[n]["wall"])
+        for n in names[1:]:
+            if last[n]["tokens"] != last["plain"]["tokens"]:
+                sys.exit(f"{n}: tokens differ from plain HF")
+    generated = len(inputs) * new
+    lines = [f"### {title} (load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; {args.runs} runs, tokens "
+             f"identical to plain HF in every run)", "",
+             "| engine | tokens/s median | per run | vs plain HF (median of per-run ratios) | counters (last run) |",
+             "|---|---|---|---|---|"]
+    for n in names:
+        ratios = [walls["plain"][i] / walls[n][i] for i in range(args.runs)]
+        rates = [generated / w for w in walls[n]]
+        lines.append(f"| {n} | {statistics.median(rates):.1f} | {' '.join(f'{r:.1f}' for r in rates)} | "
+                     f"{statistics.median(ratios):.3f} | {last[n]['counters'] or ''} |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def engines(args, socket: str) -> dict:
+    sides = {n: Side(n, args, socket) for n in ("plain", "tier", "nodaemon")}
+    got = {n: s.settings() for n, s in sides.items()}
+    diff = [k for k in got["plain"] if len({str(g[k]) for g in got.values()}) > 1]
+    print(f"engines up: plain HF, kvtier (daemon up), kvtier (no daemon), one process each; settings "
+          f"{got['plain']}; differing: {diff or 'none'}", flush=True)
+    for s in sides.values():  # warm: one small untimed run each
+        s.run(prompts(5, [64, 80]), 64, 4)
+    return sides
+
+
+def no_reuse(args, sides, socket) -> None:
+    """No reuse, no cache pressure: every prompt new, the cache holds them all."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g).tolist()
+    blocks = sum(-(-(n + args.new_tokens) // PAGE) for n in lengths) + 16
+    side_by_side(args, sides, socket, f"no reuse, no cache pressure: {args.requests} new prompts of "
+                 f"{args.prompt_min}-{args.prompt_max} tokens, {args.new_tokens} new each, {blocks} blocks",
+                 lambda run: prompts(1000 + run, lengths), blocks, args.new_tokens, flush=False)
+
+
+def pressure(args, sides, socket) -> None:
+    """Cache pressure: plain HF soft-resets its victims, kvtier swaps them."""
     g = torch.Generator().manual_seed(7)
     lengths = torch.randint(args.prompt_min, args.prompt_max + 1, (args.requests,), generator=g).tolist()
+    demand = sum(-(-(n + args.new_tokens) // PAGE) for n in lengths)
     inputs = prompts(11, lengths)
-    new = args.new_tokens
-    demand = sum(-(-(n + new) // PAGE) for n in lengths)
-    print(f"## cache pressure: {args.requests} requests, {sum(lengths)} prompt tokens, {new} new each; "
-          f"cache {args.blocks} blocks of {PAGE} tokens for {demand} blocks of demand")
-    generated = args.requests * new
-    best = {"plain": (float("inf"), 0.0), "kvtier": (float("inf"), 0.0)}
-    counters = None
-    # What a soft reset costs in compute: the same scheduler with no daemon (every victim recomputed).
-    _, recompute, _ = with_kvtier(model, inputs, args.blocks, socket + ".absent", new_tokens=new)
-    for rep in range(args.reps):
-        ref, elapsed = plain_hf(model, inputs, args.blocks, new_tokens=new)
-        best["plain"] = min(best["plain"], elapsed)
-        with Client(socket) as client:
-            client.flush()  # earlier reps stored these prompts: this part measures swap, not prefix hits
-        outs, counters, elapsed = with_kvtier(model, inputs, args.blocks, socket, new_tokens=new)
-        best["kvtier"] = min(best["kvtier"], elapsed)
-        same = [o.generated_tokens for o in outs] == [r.generated_tokens for r in ref]
-        if not same:
-            sys.exit("kvtier tokens differ from plain HF")
-        print(f"  rep {rep}: plain {generated / best['plain'][0]:.1f} tok/s, kvtier "
-              f"{generated / best['kvtier'][0]:.1f} tok/s (best so far); tokens identical: {same}")
-    print(f"  soft reset everywhere: {recompute.soft_resets} soft resets, {recompute.computed_tokens} tokens computed")
-    print(f"  kvtier counters (last run): offloaded {counters.offloaded_requests}, restored "
-          f"{counters.restored_requests}, soft resets {counters.soft_resets}, computed tokens "
-          f"{counters.computed_tokens}")
-    (plain_s, plain_cpu), (tier_s, tier_cpu) = best["plain"], best["kvtier"]
-    print(f"  engine CPU seconds in the best runs: plain {plain_cpu:.2f}, kvtier {tier_cpu:.2f}")
-    print(f"  RESULT soft reset (plain HF): {generated / plain_s:.1f} tok/s   kvtier swap: {generated / tier_s:.1f} "
-          f"tok/s   ratio {plain_s / tier_s:.2f}x")
+    side_by_side(args, {n: sides[n] for n in ("plain", "tier")}, socket,
+                 f"cache pressure: {args.requests} requests, {sum(lengths)} prompt tokens, {args.new_tokens} new "
+                 f"each, {args.blocks} blocks for {demand} of demand", lambda run: inputs, args.blocks,
+                 args.new_tokens, flush=True)
 
 
 def second_engine(hidden, layers, threads, doc, questions, blocks, socket, queue) -> None:
@@ -189,27 +287,38 @@ def second_process(args, model, socket) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=24)
-    ap.add_argument("--blocks", type=int, default=40)
+    ap.add_argument("--blocks", type=int, default=40, help="cache blocks in the pressure row")
     ap.add_argument("--prompt-min", type=int, default=64)
     ap.add_argument("--prompt-max", type=int, default=192)
     ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--doc", type=int, default=1024)
     ap.add_argument("--questions", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
-    ap.add_argument("--only", choices=["pressure", "ttft"], default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads, every engine (1: steadier here)")
+    ap.add_argument("--only", choices=["noreuse", "pressure", "ttft"], default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.runs, args.doc, args.questions, args.hidden, args.layers = 6, 2, 128, 2, 128, 2
+        args.prompt_min, args.prompt_max, args.new_tokens, args.blocks = 32, 64, 8, 12
     torch.set_num_threads(args.threads)
-    model = build_model(args.hidden, args.layers)
     print(f"model: random Llama hidden {args.hidden}, {args.layers} layers, float32, CPU "
-          f"({torch.get_num_threads()} threads)")
-    with PrivateDaemon(pool_size="1GiB", slab_size="16MiB") as daemon:
-        if args.only in (None, "pressure"):
-            pressure(args, model, daemon.socket)
+          f"({args.threads} torch threads in every engine)", flush=True)
+    with PrivateDaemon(pool_size="1GiB", slab_size="16MiB", extra=tuple(no_system_config())) as daemon:
+        if args.only in (None, "noreuse", "pressure"):
+            sides = engines(args, daemon.socket)
+            try:
+                if args.only in (None, "noreuse"):
+                    no_reuse(args, sides, daemon.socket)
+                if args.only in (None, "pressure"):
+                    pressure(args, sides, daemon.socket)
+            finally:
+                for side in sides.values():
+                    side.close()
         if args.only in (None, "ttft"):
-            second_process(args, model, daemon.socket)
+            second_process(args, build_model(args.hidden, args.layers), daemon.socket)
     return 0
 
 

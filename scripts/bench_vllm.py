@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 
-from benchlib import REPO, add_json_flag, emit, median, pct, table
+from benchlib import REPO, add_json_flag, emit, median, pct, start_daemon, table
 
 sys.path.insert(0, os.path.join(REPO, "client"))
 import vllm_offline as ex  # noqa: E402
@@ -240,12 +240,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = ex.make_tiny_llama(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden)
         socket = os.path.join(tmp, "kvtier.sock")
-        daemon = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket, "--pool-size", "2GiB"],
-                                  env=ex.engine_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while not os.path.exists(socket):
-            if daemon.poll() is not None:
-                raise SystemExit("kvtier-daemon did not start")
-            time.sleep(0.05)
+        daemon = start_daemon(socket, "2GiB", env=ex.engine_env())
         specs = {"alone": [], "tier": ["--kvtier", "--socket", socket],
                  "nodaemon": ["--kvtier", "--socket", os.path.join(tmp, "absent.sock")]}
         if "engine" in neighbours:

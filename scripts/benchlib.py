@@ -136,6 +136,38 @@ def emit(report: dict, tables: list[str], json_to: str | None) -> None:
             json.dump(report, f, indent=1)
 
 
+# ---- private daemons ---------------------------------------------------------------
+def no_system_config() -> list[str]:
+    """Daemon flags that keep a benchmark's private daemon off the host's
+    /etc/kvtier/kvtier.toml (an empty config file): defaults plus our flags only."""
+    import atexit
+    import tempfile
+    global _EMPTY_CONFIG
+    if _EMPTY_CONFIG is None:
+        fd, _EMPTY_CONFIG = tempfile.mkstemp(prefix="kvtier-bench-", suffix=".toml")
+        os.close(fd)
+        atexit.register(os.unlink, _EMPTY_CONFIG)
+    return ["--config", _EMPTY_CONFIG]
+
+
+_EMPTY_CONFIG: str | None = None
+
+
+def start_daemon(socket: str, pool_size: str, env: dict | None = None, timeout: float = 120):
+    """``python -m kvtier.daemon`` on ``socket``; returns the Popen once the socket exists."""
+    import subprocess
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket, "--pool-size", pool_size,
+                             *no_system_config()], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(socket):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"kvtier-daemon did not start: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    return proc
+
+
 # ---- client processes -------------------------------------------------------------
 class WorkerPool:
     """``count`` spawned client processes, started once and reused per point.

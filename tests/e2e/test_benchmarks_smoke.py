@@ -170,3 +170,18 @@ def test_bench_vllm_fair_benchmark_produces_every_row(tmp_path):
     assert {k for k, _ in data["settings_diff"]} <= {"kv_cache.mapping.names", "kv_cache.mapping.flags",
                                                      "kv_cache.mapping.kB.Anonymous"}
     assert "resolved settings that differ" in out and "miss (daemon up) |" in out
+
+
+def test_bench_hf_side_by_side_produces_every_row():
+    """Plain HF, HF with kvtier and HF with no daemon, alive side by side with the same
+    settings: the no-reuse and cache-pressure tables (tokens checked identical in every run)
+    and the second-process TTFT line all come out."""
+    out = run([os.path.join(SCRIPTS, "bench_hf.py"), "--quick"], timeout=600).stdout
+    assert "differing: none" in out
+    for title, engines in (("### no reuse, no cache pressure", ("plain", "tier", "nodaemon")),
+                           ("### cache pressure", ("plain", "tier"))):
+        section = out[out.index(title):].split("\n\n")[1]
+        rows = [ln for ln in section.splitlines() if ln.startswith("|")][2:]
+        assert [ln.split("|")[1].strip() for ln in rows] == list(engines)
+        assert "tokens identical to plain HF in every run" in out[out.index(title):].splitlines()[0]
+    assert "RESULT second-process TTFT median" in out
