@@ -140,3 +140,19 @@ def test_each_tp_rank_registers_its_own_gpu_and_blocks_cross_between_them(gpu_da
             torch.cuda.current_stream(1)).ok
         torch.cuda.synchronize(1)
         assert torch.equal(kv1[5:7].cpu(), kv0[2:4].cpu())
+
+
+def test_a_forged_fence_fails_that_transfer_alone_and_the_daemon_serves_on(gpu_daemon):  # noqa: F811
+    """A client that sends bytes which are no event handle (or another
+    process's stale one) gets that store failed; its other transfers and
+    other clients go on."""
+    d = gpu_daemon()
+    kv = torch.randn(NB, 1 << 16, device="cuda").half()
+    with Client(d.socket, name="forger") as c:
+        c.register_kv_cache(CudaKVCache([kv]), [0], ns("forged"))
+        r = c.store(block_hashes(list(range(16)), 16), [0], event=b"\x07" * 64).wait(timeout=60)
+        assert r.failed == (0,)
+        assert c.store(block_hashes(list(range(16)), 16), [0], stream=torch.cuda.current_stream()).wait().done == 1
+    other_client_round_trip(d, "bystander")
+    s = d.stats()
+    assert s["clients"] == [] and all(n["writing"] == 0 for n in s["namespaces"])
