@@ -14,12 +14,14 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 
 import pytest
 
+from kvtier.daemon.operators import tcp_peer_uid
 from tests.conftest import REPO
 from tests.daemon.test_metrics import free_port, scrape_until
 from tests.helpers import NS
@@ -127,3 +129,23 @@ def test_a_tcp_event_endpoint_is_logged_as_readable_by_whoever_reaches_it(daemon
     port = free_port()
     d = daemon_factory(extra=["--events", f"tcp://127.0.0.1:{port}"])
     assert "reads every tenant's block events" in d.read_log()
+
+
+@pytest.mark.parametrize("family, host", [(socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1"),
+                                          (socket.AF_INET6, "::")])
+def test_the_kernel_names_the_uid_behind_a_local_tcp_peer(family, host):
+    """IPv4, IPv6, and an IPv4 client of a dual-stack listener (seen as ::ffff:127.0.0.1)."""
+    with socket.socket(family) as srv:
+        try:
+            srv.bind((host, 0))
+        except OSError as exc:
+            pytest.fail(f"{host} unavailable here: {exc}", pytrace=False)
+        srv.listen()
+        port = srv.getsockname()[1]
+        target = "127.0.0.1" if host == "::" else host
+        with socket.create_connection((target, port)) as cli:
+            conn, peer = srv.accept()
+            with conn:
+                assert tcp_peer_uid(peer, conn.getsockname()) == os.geteuid()
+                assert cli.fileno() >= 0
+    assert tcp_peer_uid(("10.255.255.1", 40000), ("127.0.0.1", port)) is None  # not a socket of this machine
