@@ -51,8 +51,9 @@ def run_cuda_engine(socket: str, prompts: list[list[int]]) -> dict:
     from kvtier.integrations.transformers import KVTierContinuousBatchingManager
     with KVTierContinuousBatchingManager(cuda_llama(), greedy(), tight_cache(), model_id=MODEL_ID,
                                          socket=socket) as cb:
-        assert cb.tier is not None and cb.tier.engine.on_gpu, "kvtier did not attach to the CUDA cache"
         outputs = cb.generate(prompts, timeout=300)
+        # The paged cache (and kvtier's hold on it) exists once the first batch ran.
+        assert cb.tier is not None and cb.tier.engine.on_gpu, "kvtier did not attach to the CUDA cache"
     return {"tokens": [o.generated_tokens for o in outputs], "errors": [o.error for o in outputs],
             "counters": cb.counters.as_dict()}
 
