@@ -44,3 +44,11 @@ def test_remote_keys_come_from_the_environment_with_sizes():
                            "KVTIER_REMOTE_TTL_S": "60", "KVTIER_REMOTE_SECRET_FILE": "/etc/kvtier/remote.secret"})
     assert (cfg.remote, cfg.remote_budget, cfg.remote_ttl_s) == ("redis://127.0.0.1:7000", 2 * 2**30, 60.0)
     assert DaemonConfig().remote == ""  # off by default
+
+
+def test_uid_numbers_are_not_tenant_names():
+    """``uid<N>`` names a user listed nowhere, on this node only: an operator cannot give it
+    to a tenant (it would merge with whichever user has that uid here, and cross nodes)."""
+    with pytest.raises(ValueError, match="config tenants: 'uid1000': uid<N> is the name of a user listed nowhere"):
+        DaemonConfig(tenants="uid1000:root")
+    assert DaemonConfig(tenants="uidx:root; team-1:41001").tenants
