@@ -12,6 +12,9 @@ import uuid
 import pytest
 
 PROBE = "stats-probe"
+# Every daemon the suite starts, in process or as a child, reads no host config:
+# a node with the service installed (/etc/kvtier/kvtier.toml) runs the same suite.
+os.environ["KVTIER_CONFIG"] = os.devnull
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -66,7 +69,7 @@ class InProcessDaemon(DaemonHandle):
         args = build_parser().parse_args(["--socket", self.socket, "--pool-size", pool_size,
                                           "--slab-size", slab_size, *extra])
         flags = {k: getattr(args, k) for k in FLAG_KEYS}
-        config = load_config(args.config, env={"KVTIER_REAP_INTERVAL_S": "0.1", **(env or {})}, flags=flags)
+        config = load_config(args.config, env={"KVTIER_REAP_INTERVAL_S": "0.1", "KVTIER_CONFIG": os.devnull, **(env or {})}, flags=flags)
         self._records: list[str] = []
         self._handler = logging.Handler(logging.INFO)
         self._handler.emit = lambda r: self._records.append(self._handler.format(r))

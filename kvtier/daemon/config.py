@@ -254,7 +254,10 @@ def _coerce(key: str, value, source: str):
 
 def load_config(path: str | None = None, env: dict | None = None, flags: dict | None = None) -> DaemonConfig:
     values: dict = {}
-    file = path or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    env = os.environ if env is None else env
+    # KVTIER_CONFIG names the file for the daemon run by hand, and lets a test
+    # suite on a node with an installed service ignore that service's file.
+    file = path or env.get("KVTIER_CONFIG") or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
     if file:
         try:
             with open(file, "rb") as f:
@@ -267,7 +270,6 @@ def load_config(path: str | None = None, env: dict | None = None, flags: dict | 
             if key in MOVED and value in ("", None):
                 continue  # an older shipped config's empty default: nothing moves, nothing to refuse
             values[key] = _coerce(key, value, file)
-    env = os.environ if env is None else env
     for key in MOVED:  # a unit's Environment= is no secret either
         if env.get("KVTIER_" + key.upper()):
             _coerce(key, env["KVTIER_" + key.upper()], "KVTIER_" + key.upper())

@@ -50,6 +50,19 @@ def test_each_level_overrides_the_previous(tmp_path, monkeypatch, capsys):
     assert c.pool_size == 512 * 2**20
 
 
+def test_kvtier_config_names_the_file_and_a_flag_still_wins(tmp_path):
+    # An operator running the daemon by hand, or a test suite on a node where the
+    # service is installed, points at another file than /etc/kvtier/kvtier.toml.
+    by_env = tmp_path / "env.toml"
+    by_env.write_text('policy = "fifo"\n')
+    by_flag = tmp_path / "flag.toml"
+    by_flag.write_text('policy = "lru"\n')
+    assert load_config(env={"KVTIER_CONFIG": str(by_env)}).policy == "fifo"
+    assert load_config(str(by_flag), env={"KVTIER_CONFIG": str(by_env)}).policy == "lru"
+    with pytest.raises(ValueError, match="missing.toml"):
+        load_config(env={"KVTIER_CONFIG": str(tmp_path / "missing.toml")})
+
+
 @pytest.mark.parametrize("file_text, env, argv, key", [
     ('policy = "mru"\n', {}, [], "policy"),
     ('pool = "1GiB"\n', {}, [], "'pool'"),                          # unknown key is named
