@@ -93,7 +93,8 @@ class RemoteTier:
                 self.counters["probe_skipped"] += 1
                 return False
             self.probes_waiting += 1
-        job = Job("probe", token, self._ns(fingerprint), list(keys), deadline=time.monotonic() + self.settings.timeout_s)
+        job = Job("probe", token, self._ns(fingerprint), list(keys),
+                  deadline=time.monotonic() + self.settings.timeout_s)
         self._queues["probe"].put(job)
         self._deadlines.add(job)
         return True

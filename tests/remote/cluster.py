@@ -46,10 +46,11 @@ def _free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, masters: int = 3, maxmemory: str = "", policy: str = "noeviction"):
+    def __init__(self, masters: int = 3, maxmemory: str = "", policy: str = "noeviction", password: str = ""):
         self.dir = tempfile.mkdtemp(prefix="kvtier-rc-")
         self.ports = [_free_port() for _ in range(masters)]
         self.maxmemory, self.policy = maxmemory, policy
+        self.password = password  # AUTH required of every client (and the masters among themselves)
         self.procs: list[subprocess.Popen] = []
         self.start()
         self._run_cli("--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
@@ -70,6 +71,8 @@ class LocalCluster:
                     "--logfile", os.path.join(d, "redis.log")]
             if self.maxmemory:
                 args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
+            if self.password:
+                args += ["--requirepass", self.password, "--masterauth", self.password]
             self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in self.ports:
             self._wait_port(port)
@@ -86,7 +89,8 @@ class LocalCluster:
 
     def _run_cli(self, *args: str, port: int | None = None) -> str:
         cmd = ["redis-cli"] + (["-p", str(port)] if port else []) + list(args)
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        env = {**os.environ, "REDISCLI_AUTH": self.password} if self.password else None
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)}: {out.stdout}{out.stderr}")
         return out.stdout
@@ -103,9 +107,12 @@ class LocalCluster:
             time.sleep(0.1)
         raise RuntimeError(f"cluster not ok after {timeout}s: {self.logs()}")
 
-    def client(self):
+    def client(self, password: str | None = None):
+        """A redis-py cluster client; ``password`` defaults to the cluster's own."""
         from redis.cluster import ClusterNode, RedisCluster
-        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in self.ports])
+        password = self.password if password is None else password
+        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in self.ports],
+                            **({"password": password} if password else {}))
 
     def kill(self) -> None:
         """SIGKILL every master (no shutdown, no save): the cluster is gone at once."""

@@ -226,3 +226,26 @@ def test_a_load_cancelled_while_its_blocks_are_fetched_copies_nothing(daemon_fac
         assert engine_blocks(kv, range(16, 28)) == before
     kv.close()
     assert remote_stats(b)["fetched"] + remote_stats(b)["fetch_cancelled"] == 12
+
+
+def test_with_a_password_only_the_secret_file_holds_a_forger_cannot_even_connect(daemon_factory, tmp_path):
+    """The cluster requires AUTH. The nodes read the password from their secret file and share
+    a prefix as usual; a client with what kvtier.toml holds (address, no password) is refused
+    by Redis before it can read or write a key."""
+    import redis
+    from tests.remote.cluster import LocalCluster
+    from tests.remote.conftest import write_secret
+    cl = LocalCluster(password="s3cret-pw")
+    try:
+        secret = write_secret(tmp_path / "remote.secret", extra='password = "s3cret-pw"\n')
+        env = {"KVTIER_REMOTE_SECRET_FILE": secret}
+        tokens = [t + 1_700_000 for t in TOKENS]
+        a = node(daemon_factory, cl.url, env=env)
+        expected = store_prefix(a, tokens, seed=28)
+        wait_remote(a, "written", 12)
+        hits, result, got = lookup_and_load(node(daemon_factory, cl.url, env=env), tokens)
+        assert hits == 12 and result.ok and got == expected
+        with pytest.raises(redis.exceptions.RedisClusterException, match="(?i)auth"):
+            cl.client(password="").set(b"kvt2:planted", b"x")
+    finally:
+        cl.close()
