@@ -126,7 +126,7 @@ class RemoteBridge:
         job = self.fetching.get((identity, req_id))
         if job is None:
             return False
-        job.cancelled = True
+        self.tier.cancel(job)
         return True
 
     def poll(self) -> None:

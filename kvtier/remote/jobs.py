@@ -34,6 +34,7 @@ class Job:
     size: int = 0
     deadline: float = 0.0        # probe: answered by then (time.monotonic), with or without the store
     cancelled: bool = False      # fetch: set by the loop thread; the fetch stops at its next batch
+    started: bool = False        # guarded by the tier's lock: a thread took it (it may touch the pool)
     reported: bool = False       # guarded by the tier's lock: a job is handed back once
     # results, set by the tier's thread before the job is reported
     hits: int = 0                # probe: remote blocks continuing the chain

@@ -24,8 +24,7 @@ Values are keyed and authenticated with the cluster's secret (values.py):
 a forged, foreign or damaged value is rejected, counted and deleted.
 
 Primitives (loop thread): ``probe(ns, keys, token) -> bool``, ``fetch(ns,
-keys, offsets, size, token) -> Job | None`` (``job.cancelled = True`` stops
-it), ``write(ns, keys, offsets, size, token) -> int`` (how many of ``keys``,
+keys, offsets, size, token) -> Job | None``, ``cancel(job)``, ``write(ns, keys, offsets, size, token) -> int`` (how many of ``keys``,
 from the first, were queued), ``completed() -> [Job]``, ``wakeup_fd``,
 ``stats()``, ``close()``.
 """
@@ -108,6 +107,18 @@ class RemoteTier:
         job = Job("fetch", token, self._ns(fingerprint), list(keys), list(offsets), size)
         self._queues["fetch"].put(job)
         return job
+
+    def cancel(self, job: Job) -> None:
+        """Stop a fetch. One still queued (behind a slow or hung store) is reported at once,
+        every block failed, its pool bytes never touched; a running one stops at its next batch."""
+        job.cancelled = True
+        with self.lock:
+            if job.started or job.reported:
+                return
+            job.reported = True
+            self.counters["fetch_cancelled"] += len(job.keys)
+        job.failed, job.error = list(range(len(job.keys))), "cancelled"
+        self._done.put(job)
 
     def write(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> int:
         """Write-behind of committed blocks; the caller holds them until the job is done.
@@ -283,6 +294,10 @@ class RemoteTier:
             self._fetch_one(store, job)
 
     def _fetch_one(self, store: RedisStore, job: Job) -> None:
+        with self.lock:
+            if job.reported:  # cancelled while queued: answered already
+                return
+            job.started = True
         per = max(1, self.settings.batch_bytes // max(1, job.size))
         tally: Counter = Counter()
         rejected = []  # keys whose values failed verification: nobody should be offered them again

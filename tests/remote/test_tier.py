@@ -211,3 +211,38 @@ def test_a_probe_to_a_hung_store_is_answered_at_its_deadline_and_so_are_those_be
     finally:
         t.close()
 
+
+
+def test_a_fetch_cancelled_while_queued_behind_a_hung_one_is_answered_at_once(own_cluster):
+    """Every master SIGSTOPped while the first fetch waits on it; a second fetch queued behind it is
+    cancelled: it comes back (every block failed, its pool bytes untouched) while the first is
+    still hung, so an engine's cancel never waits on someone else's stalled fetch."""
+    import signal
+    cl = own_cluster
+    keys = chain(10, 4)
+    src = filled_pool(4)
+    a = RemoteTier(RemoteSettings(cl.url, secret=SECRET, timeout_s=20.0), src)
+    pool = bytearray(8 * SIZE)
+    b = RemoteTier(RemoteSettings(cl.url, secret=SECRET, timeout_s=20.0), pool)
+    try:
+        assert a.write(FP, keys, [i * SIZE for i in range(4)], SIZE, "w") == 4
+        wait_jobs(a, 1)
+        for p in cl.procs:
+            p.send_signal(signal.SIGSTOP)
+        try:
+            hung = b.fetch(FP, keys, [i * SIZE for i in range(4)], SIZE, "hung")
+            queued = b.fetch(FP, keys, [(4 + i) * SIZE for i in range(4)], SIZE, "queued")
+            b.cancel(queued)
+            [first] = wait_jobs(b, 1)
+            assert first is queued and sorted(first.failed) == [0, 1, 2, 3] and first.error == "cancelled"
+            assert not hung.reported  # still waiting on the stopped store
+        finally:
+            for p in cl.procs:
+                p.send_signal(signal.SIGCONT)
+        [second] = wait_jobs(b, 1)
+        assert second is hung and second.failed == [] and pool[:4 * SIZE] == src
+        assert pool[4 * SIZE:] == bytes(4 * SIZE)  # the cancelled fetch never wrote its blocks
+        assert b.stats()["fetch_cancelled"] == 4
+    finally:
+        a.close()
+        b.close()
