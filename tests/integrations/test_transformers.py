@@ -197,3 +197,58 @@ def test_a_swap_lost_with_the_daemon_is_recomputed_before_it_is_scheduled(model,
     assert caught, "no request was ever swapped out"
     assert [results[i].generated_tokens for i in ids] == [reference(p) for p in PROMPTS]
     assert cb.counters.lost_swaps > 0, cb.counters
+
+
+SLOW_COPIES = {"KVTIER_COPY_DELAY_S": "1.0", "KVTIER_COPY_CHUNK_BYTES": "16KiB"}  # a 4-block chunk per second
+
+
+def stores_in_flight(cb) -> int:
+    with cb.pause():  # between steps: the tier's lists hold still
+        return sum(1 for handle, _ in cb.tier.stores if not handle.done())
+
+
+def test_stores_run_behind_the_engine_and_their_blocks_are_reused_only_once_read(reference, daemon_factory):
+    """Stores are off the engine's critical path: with every copy chunk held
+    for a second, the requests finish and come back while their stores are
+    still being copied. Their blocks stay allocated until the daemon has read
+    them, so HF's tight cache never hands them to another request early: a
+    second engine that loads the stored prefix produces exactly
+    ``model.generate``'s tokens."""
+    d = daemon_factory(process=True, env=SLOW_COPIES)
+    with KVTierContinuousBatchingManager(tiny_llama(), greedy(), tight_cache(), model_id=MODEL_ID,
+                                         socket=d.socket) as cb:
+        outputs = cb.generate(FIRST_ENGINE, timeout=300)
+        assert stores_in_flight(cb) > 0  # the old code waited for each before finishing the request
+    assert [o.generated_tokens for o in outputs] == [reference(p) for p in FIRST_ENGINE]
+    assert cb.counters.stored_blocks >= len(DOCUMENT) // PAGE, cb.counters  # committed by the stop
+    second = in_child(d.socket, SECOND_ENGINE)
+    assert second["tokens"] == [reference(p) for p in SECOND_ENGINE]
+    assert second["counters"]["loaded_tokens"] >= len(DOCUMENT), second["counters"]
+
+
+def test_a_daemon_killed_with_stores_in_flight_changes_no_token(reference, daemon_factory):
+    """SIGKILL while stores are being copied: the engine neither hangs nor
+    fails a request; the stores resolve failed as soon as the daemon's
+    process is gone, their blocks go back to HF, and every token is still
+    ``model.generate``'s."""
+    d = daemon_factory(process=True, env=SLOW_COPIES)
+    with KVTierContinuousBatchingManager(tiny_llama(), greedy(), tight_cache(), model_id=MODEL_ID,
+                                         socket=d.socket) as cb:
+        ids = cb.add_requests(PROMPTS, max_new_tokens=NEW_TOKENS)
+        killed = False
+        deadline = time.monotonic() + 120
+        while not killed and cb.is_running() and time.monotonic() < deadline:
+            with cb.pause():  # between steps: the tier's lists hold still
+                if any(not handle.done() for handle, _ in cb.tier.stores):
+                    d.proc.kill()
+                    killed = True
+            time.sleep(0.005)
+        assert killed, "no store was ever in flight"
+        d.proc.wait(10)
+        results = {}
+        while len(results) < len(ids):
+            out = cb.get_result(timeout=60)
+            assert out is not None, "generation stalled"
+            results[out.request_id] = out
+    assert [results[i].generated_tokens for i in ids] == [reference(p) for p in PROMPTS]
+    assert not cb.tier or not cb.tier.stores

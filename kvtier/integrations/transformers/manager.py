@@ -79,11 +79,10 @@ class KVTierContinuousBatchingManager(ContinuousBatchingManager):
         if why:
             log.warning("kvtier disabled for this model, running plain HF: %s", why)
             return None
-        # A short wait for the first HELLO: without a daemon the engine must not
-        # stall its start (the heartbeat connects later); then the usual timeout.
-        client = Client(self.socket, name=self.client_name, timeout=1.0,
-                        transfer_timeout=self.transfer_timeout, require_daemon=False)
-        client.timeout = 5.0
+        # Without a daemon the engine must not stall its start: at most 1 s for a
+        # socket nobody answers; the client's keeper connects later.
+        client = Client(self.socket, name=self.client_name, transfer_timeout=self.transfer_timeout,
+                        require_daemon=False)
         try:
             # CUDA: HF's forward runs on its compute stream, so copies are fenced there.
             tier = HFKVTier.attach(processor.cache, client,

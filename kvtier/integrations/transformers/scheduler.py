@@ -13,8 +13,11 @@ attached it is HF's FIFO scheduler, unchanged.
   kvtier gets blocks allocated and loaded instead of prefilled, after HF's
   in-process prefix match; at least one prompt token is always left to
   compute (the forward pass that samples the first token needs one).
-- **Store at finish.** A finished request's full blocks are copied to kvtier
-  before HF frees them.
+- **Store at finish, without waiting.** A finished request's full blocks are
+  copied to kvtier; their references move to a holder entry in HF's block
+  table, so HF frees the rest of the request at once and these blocks only
+  when the daemon has read them (checked every step; waited for only when
+  the cache is full and HF needs them back).
 
 Primitives: ``KVTierScheduler`` (its ``tier`` attribute is set by the
 manager), ``SCHEDULER_NAME``.
@@ -43,9 +46,13 @@ class KVTierScheduler(FIFOScheduler):
 
     def schedule_batch(self, token_budget: int, cache_budget: int):
         tier = self.tier
-        if tier is not None and tier.quarantine:
-            self.cache.pool.free_blocks(tier.allocator.index, tier.release_quarantine())
+        if tier is not None:
+            self.release_blocks(tier)
         batch = super().schedule_batch(token_budget, cache_budget)
+        if batch[0] is None and tier is not None and tier.stores:
+            # The cache is full and blocks wait for their stores: HF needs them now.
+            self.release_blocks(tier, wait=True)
+            batch = super().schedule_batch(token_budget, cache_budget)
         if tier is not None and batch[0]:
             tier.counters.computed_tokens += batch[2]
         return batch
@@ -72,6 +79,14 @@ class KVTierScheduler(FIFOScheduler):
         self._pool_blocks.pop(request_id, None)
         self._keys.pop(request_id, None)
         super().finish_request(request_id)
+
+    def release_blocks(self, tier: "HFKVTier", wait: bool = False) -> None:
+        """Free the blocks the daemon has let go of: parked after a failed copy,
+        or held for a store (``wait``: every store, once final)."""
+        if tier.quarantine:
+            self.cache.pool.free_blocks(tier.allocator.index, tier.release_quarantine())
+        for holder in tier.finished_stores(wait):
+            self.cache.free_blocks(holder)
 
     # ---- swap -------------------------------------------------------------------------
     def _restore(self, tier: "HFKVTier", state: RequestState, removed: set[str]) -> bool | None:
@@ -126,7 +141,10 @@ class KVTierScheduler(FIFOScheduler):
         computed = (state.initial_tokens + state.generated_tokens)[:state.position_offset]
         keys = tier.prefix_keys(computed)[:len(table)]
         skip = self._pool_blocks.get(state.request_id, 0)
-        tier.store(keys[skip:], table[skip:len(keys)])
+        holder = tier.store(keys[skip:], table[skip:len(keys)])
+        if holder is not None:  # the daemon reads these blocks: the holder keeps them allocated
+            tier.allocator.block_table[holder] = table[skip:len(keys)]
+            del table[skip:len(keys)]
 
     # ---- shared steps -------------------------------------------------------------------
     def _activate(self, state: RequestState, removed: set[str], restart: bool) -> None:

@@ -57,5 +57,6 @@ class KVTierOffloadingManager(OffloadingManager):
             self.free_request_cpu_cache(state)
 
     def reset(self) -> None:
+        self.scheduler.release_blocks(self.tier, wait=True)  # before HF frees every block
         self.free_all_waiting_cpu_caches()
         self.tier.discard_all()

@@ -8,19 +8,23 @@ the offloading manager decide *what* to copy; this object does the copy and
 reports the outcome as a value, never an exception: the engine then falls
 back to what plain HF does (recompute).
 
-Every transfer is waited for before returning. HF hands a block to another
-request as soon as it is free, so a block must not be freed while the daemon
-may still read or write it; blocks a failed transfer may still be written
-(``TransferHandle.held_blocks``) are parked in ``quarantine`` until the
-daemon lets go of them.
+HF hands a block to another request as soon as it is free, so a block must
+not be freed while the daemon may still read or write it. Loads, offloads
+and restores are waited for (the engine needs their outcome before it goes
+on); blocks a failed one may still be written (``TransferHandle.held_blocks``)
+are parked in ``quarantine`` until the daemon lets go of them. Stores are
+not waited for: a finished request's blocks stay allocated under a holder
+entry of HF's block table while the daemon reads them, and
+``finished_stores`` names the holders HF may free.
 
-Primitives: ``attach``, ``prefix_keys``, ``lookup``, ``load``, ``store``,
+Primitives: ``attach``, ``prefix_keys``, ``lookup``, ``load``, ``store``, ``finished_stores``,
 ``offload``, ``restore``, ``swapped_requests``, ``discard``, ``discard_all``, ``release_quarantine``,
 ``close``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
@@ -86,6 +90,8 @@ class HFKVTier:
         self.counters = TierCounters()
         self._swapped: dict[str, int] = {}  # request id -> blocks kvtier holds for it
         self.quarantine: list[tuple[TransferHandle, list[int]]] = []
+        self.stores: list[tuple[TransferHandle, str]] = []  # in flight, and the block-table entry holding its blocks
+        self._holders = itertools.count()
 
     @classmethod
     def attach(cls, cache: "PagedAttentionCache", client: Client, namespace: Namespace,
@@ -128,16 +134,37 @@ class HFKVTier:
             self.counters.loaded_tokens += loaded * self.page_size
         return loaded
 
-    def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
-        """Copy completed engine blocks into the pool; returns once the daemon
-        has read them, so the caller may free them."""
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> str | None:
+        """Start copying completed engine blocks into the pool, without waiting.
+        Returns the name of a new, empty holder entry while the daemon may
+        still read ``block_ids``: the caller moves those blocks' references
+        there (so HF neither frees nor reuses them) and frees the holder once
+        ``finished_stores`` names it. None: nothing is being read any more."""
         if not keys:
-            return
+            return None
         handle = self.engine.store(keys, block_ids)
-        result = handle.wait()
-        self.counters.stored_blocks += result.done
-        if handle.held_blocks:  # the daemon may still read them: harmless to HF, worth knowing
-            log.warning("kvtier: store of %d blocks unconfirmed: %s", len(keys), result.error)
+        if handle.done():  # failed at once (no daemon) or already answered
+            self._stored(handle)
+            return None
+        holder = f"kvtier-store:{next(self._holders)}"
+        self.stores.append((handle, holder))
+        return holder
+
+    def finished_stores(self, wait: bool = False) -> list[str]:
+        """Holders whose store the daemon no longer reads (with ``wait``: all of
+        them, once each is final); the caller frees their blocks."""
+        done, pending = [], []
+        for handle, holder in self.stores:
+            if wait or handle.done():
+                self._stored(handle)
+                done.append(holder)
+            else:
+                pending.append((handle, holder))
+        self.stores = pending
+        return done
+
+    def _stored(self, handle: TransferHandle) -> None:
+        self.counters.stored_blocks += handle.wait().done
 
     # ---- request swap --------------------------------------------------------------
     def offload(self, tables: Mapping[str, Sequence[int]]) -> set[str]:
@@ -212,6 +239,7 @@ class HFKVTier:
         return free
 
     def close(self) -> None:
+        self.finished_stores(wait=True)  # let the last stores commit rather than cancel them
         self.discard_all()
         self.engine.close()
 
