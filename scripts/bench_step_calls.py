@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""What kvtier's calls cost one engine step, in every state the daemon can be in.
+
+One "step" is what a vLLM engine does per scheduling step for one new
+2,048-token prompt that misses: a lookup of its 128 block keys, the submit
+of an 8-block store and a ``done()`` poll of the previous step's store
+(vLLM's ``get_finished``). Clients in every state live side by side in this
+process and their steps are interleaved (``benchlib.round_robin``), next to
+a bare ZeroMQ round trip of the lookup's frame in the same run:
+
+  daemon, socket lookups   lookup_index off: one round trip per lookup
+  daemon, mirror lookups   lookup_index on: the lookup reads shared memory
+  no daemon                nothing at the socket path
+  daemon killed            connected, then the daemon was SIGKILLed (its
+                           socket file stays: what a restart looks like)
+  no kvtier                the step's own work (making 128 keys), no call
+
+``--busy N`` adds N processes spinning on the cores (a busy neighbour).
+Then, separately: a client looking up every millisecond while its daemon is
+SIGKILLed - the longest single call and how long until lookups answer 0.
+
+    python scripts/bench_step_calls.py [--seconds 3] [--busy 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+
+import benchlib as bl
+
+from kvtier.client import Client, Namespace, ShmKVCache
+from kvtier.demo.daemon_proc import PrivateDaemon
+from kvtier.protocol import messages as m
+from kvtier.protocol.codec import encode
+
+KEYS = 128          # 2,048 tokens / 16 per block
+STORE = 8           # blocks a step stores
+BLOCK = 256         # bytes per block: the calls, not the copy, are measured
+NS = Namespace("bench-step", "uint8", "flat", 16)
+
+
+class Engine:
+    def __init__(self, socket: str, require: bool = True):
+        import torch
+        self.kv = ShmKVCache([(STORE, BLOCK)], torch.uint8)
+        self.c = Client(socket, name="bench-step", require_daemon=require)
+        self.c.register_kv_cache(self.kv, [0], NS)
+        self.pending = None
+
+    def step(self) -> None:
+        keys = [os.urandom(16) for _ in range(KEYS)]
+        self.c.lookup(keys)
+        if self.pending is not None:
+            self.pending.done()
+        self.pending = self.c.store(keys[:STORE], list(range(STORE)))
+
+    def settle(self) -> None:  # untimed: the previous store must not hold the blocks
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def close(self) -> None:
+        self.settle()
+        self.c.close()
+        self.kv.close()
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
+def states(seconds: float, busy: int) -> dict:
+    """Every state's step, interleaved: quiet, then with ``busy`` spinners."""
+    with PrivateDaemon(pool_size="64MiB", slab_size="4MiB") as plain, \
+            PrivateDaemon(pool_size="64MiB", slab_size="4MiB", env={"KVTIER_LOOKUP_INDEX": "true"}) as mirrored, \
+            PrivateDaemon(pool_size="64MiB", slab_size="4MiB") as doomed, \
+            bl.EchoServer(os.path.join(tempfile.mkdtemp(), "echo.sock"), len(encode(m.Hits(0), 1))) as echo:
+        engines = {"daemon, socket lookups": Engine(plain.socket),
+                   "daemon, mirror lookups": Engine(mirrored.socket),
+                   "no daemon": Engine(os.path.join(tempfile.mkdtemp(), "absent.sock"), require=False),
+                   "daemon killed": Engine(doomed.socket)}
+        doomed.proc.send_signal(signal.SIGKILL)
+        doomed.proc.wait()
+        time.sleep(0.5)
+        bare = bl.BareClient(echo.socket, len(encode(m.Lookup(1, os.urandom(16 * KEYS)), 123456)))
+        cases = {name: (e.step, e.settle) for name, e in engines.items()}
+        cases["no kvtier (the step's own key making)"] = (lambda: [os.urandom(16) for _ in range(KEYS)], None)
+        cases["bare ZeroMQ round trip (lookup frame)"] = (bare.call, None)
+        out = {"quiet": bl.round_robin(cases, seconds, min_reps=50, max_reps=100_000)}
+        spinners = [mp.Process(target=spin, daemon=True) for _ in range(busy)]
+        for sp in spinners:
+            sp.start()
+        try:
+            out["busy"] = bl.round_robin(cases, seconds, min_reps=50, max_reps=100_000)
+        finally:
+            for sp in spinners:
+                sp.kill()
+        for e in engines.values():
+            e.close()
+        bare.close()
+    return {load: {k: {"p50_us": bl.median(v) * 1e6, "p99_us": bl.pct(v, 99) * 1e6, "max_us": max(v) * 1e6,
+                       "n": len(v)} for k, v in times.items()} for load, times in out.items()}
+
+
+def kill_mid_run() -> dict:
+    """Lookups every millisecond across a SIGKILL of the daemon."""
+    with PrivateDaemon(pool_size="64MiB", slab_size="4MiB") as d:
+        e = Engine(d.socket)
+        keys = [os.urandom(16) for _ in range(KEYS)]
+        for _ in range(200):
+            e.c.lookup(keys)
+        calls: list[tuple[float, float, bool]] = []
+        end = time.monotonic() + 4.0
+        killed_at = time.monotonic() + 1.0
+        killed = False
+        while time.monotonic() < end:
+            if not killed and time.monotonic() >= killed_at:
+                d.proc.send_signal(signal.SIGKILL)
+                killed_at, killed = time.monotonic(), True
+            t0 = time.monotonic()
+            e.c.lookup(keys)
+            calls.append((t0, time.monotonic() - t0, e.c.connected))
+            time.sleep(0.001)
+        after = [c for c in calls if c[0] >= killed_at]
+        degraded = next((c[0] for c in after if not c[2]), None)
+        e.c.close()
+        e.kv.close()
+    return {"longest_call_after_kill_ms": max(c[1] for c in after) * 1e3,
+            "calls_after_kill": len(after),
+            "degraded_after_ms": None if degraded is None else (degraded - killed_at) * 1e3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=3.0, help="timed work per case and load")
+    p.add_argument("--busy", type=int, default=os.cpu_count(), help="spinning neighbours for the busy run")
+    bl.add_json_flag(p)
+    args = p.parse_args()
+    report = {"machine": bl.machine_notes(), **states(args.seconds, args.busy)}
+    report["kill"] = kill_mid_run()
+    rows = [[name, q["p50_us"], q["p99_us"], report["busy"][name]["p50_us"], report["busy"][name]["p99_us"]]
+            for name, q in report["quiet"].items()]
+    tables = [bl.table(["one step (lookup 128 + store 8 + poll)", "quiet p50 us", "quiet p99 us",
+                        f"busy x{args.busy} p50 us", "busy p99 us"], rows, "kvtier calls per engine step"),
+              bl.table(["daemon SIGKILLed mid-run", "value"], [[k, v] for k, v in report["kill"].items()])]
+    bl.emit(report, tables, args.json)
+
+
+if __name__ == "__main__":
+    main()
