@@ -62,6 +62,7 @@ class DaemonConfig:
     log_format: str = "text"        # "text" or "json" (one JSON object per line)
     metrics: str = ""               # Prometheus HTTP endpoint HOST:PORT; "" = off
     checksums: bool = False         # debug: crc32 per block at store, verified at load
+    warm_restart: bool = False      # keep the pool and a journal of its blocks for the next daemon
     socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
     copy_delay_s: float = 0.0       # fault injection for tests: stall before every copy chunk
     remote: str = ""                # remote tier: redis://HOST:PORT or a seed list; "" = off

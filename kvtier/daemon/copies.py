@@ -60,6 +60,10 @@ class CopyRunner:
         self._by_user: dict[int | None, list[int]] = {}  # uid (None: TCP) -> [transfers, pieces] in flight
         self.on_commit: Callable[[object], None] | None = None  # a store's plan, once committed
         self.gate: FenceGate | None = None  # CUDA copies waiting for their worker's event
+        # Warm restart (daemon/warm.py): stores' crcs are recorded at commit, adopted blocks
+        # verified at their first load; (index, offset, crc) being checked, per load in flight.
+        self.journal = None
+        self._checking: dict[CopyOp, list] = {}
 
     @property
     def wakeup_fd(self) -> int:
@@ -100,10 +104,15 @@ class CopyRunner:
         op.client.ops[op.request_id] = op
         self.inflight.add(op)
         config = self.settings()
+        check = self.journal.to_verify(op) if self.journal is not None and not op.to_pool else []
+        if check:
+            self._checking[op] = check
         if op.reg.copier is not None:  # CUDA: fenced copy on the registration's stream
-            engine, pool = op.reg.copier, self.pool
+            engine, pool, buf, size = op.reg.copier, self.pool, self.pool_buffer, op.reg.ns.block_bytes
 
             def gpu_copy():
+                if check:  # before the bytes reach the engine, like the CPU path
+                    op.bad = sorted(i for i, off, crc in check if _crc(buf, off, size) != crc)
                 op.done_event = engine.copy(pool, op.pairs, op.to_pool, cancelled=op.cancelled)
             if not op.fence:
                 self.worker.submit(op, gpu_copy, op.client.id)
@@ -113,7 +122,7 @@ class CopyRunner:
             fence = op.fence
             self._fences().hold(op, op.client.id, lambda: engine.fence_fired(fence), op.cancelled, gpu_copy)
             return
-        copy = self._cpu_copy(op, config)
+        copy = self._cpu_copy(op, config, check)
         if op.nbytes <= config.inline_copy_bytes and not config.copy_delay_s:
             # Small copy: doing it here (tens of microseconds) beats the hand-off
             # to the copy thread and back through its pipe (~0.2 ms per call).
@@ -126,17 +135,18 @@ class CopyRunner:
             return
         self.worker.submit(op, copy, op.client.id)
 
-    def _cpu_copy(self, op: CopyOp, config: DaemonConfig) -> Callable[[], None]:
+    def _cpu_copy(self, op: CopyOp, config: DaemonConfig, check: list) -> Callable[[], None]:
         layout, pool, delay = op.reg.layout, self.pool, config.copy_delay_s
         per_chunk = max(1, config.copy_chunk_bytes // layout.engine_block_bytes)
         chunks = [op.pairs[i:i + per_chunk] for i in range(0, len(op.pairs), per_chunk)]
         slots, size, buf, crcs = [], op.reg.ns.block_bytes, self.pool_buffer, self.crcs
-        if config.checksums:
+        if config.checksums or (self.journal is not None and isinstance(op, StoreOp)):
             slots = op.slots()
 
         def copy():
-            if slots and not op.to_pool:  # verify before the bytes reach the engine
-                op.bad = sorted({i for i, off in slots if _crc(buf, off, size) != crcs.get(off)})
+            if (slots or check) and not op.to_pool:  # verify before the bytes reach the engine
+                op.bad = sorted({i for i, off in slots if _crc(buf, off, size) != crcs.get(off)} |
+                                {i for i, off, crc in check if _crc(buf, off, size) != crc})
             for chunk in chunks:
                 if delay:  # fault injection: a slow copy, still cancellable
                     op.cancelled.wait(delay)
@@ -174,13 +184,18 @@ class CopyRunner:
             if error is not None and not isinstance(error, Cancelled):
                 log.error("copy for client %d (%s) failed: %s", op.client.id, op.label, error)
                 self.errors["COPY_FAILED"] += 1
-            if not failed:
+            if not failed and self.settings().checksums:  # warm restart's crcs go to its journal
                 self.crcs.update(op.crcs)
             if op.bad:
                 log.error("checksum mismatch on %d blocks read by client %d: dropping them",
                           len(op.bad), op.client.id)
                 self.errors["CHECKSUM"] += len(op.bad)
+            check = self._checking.pop(op, None)
+            if check and not failed:
+                self.journal.verified(check, op.bad)
             reply = op.finish(failed)
+            if not failed and self.journal is not None and isinstance(op, StoreOp):
+                self.journal.committed(op.plan, op.crcs)  # bytes in the pool, entries READY: now kept
             if not failed and self.on_commit is not None and isinstance(op, StoreOp):
                 self.on_commit(op.plan)
             if op.cancelled.is_set():

@@ -60,6 +60,7 @@ from .sessions import Sessions
 from .stats import daemon_stats
 from .tenancy import cluster_names
 from .tenancy import split_key
+from .warm import WarmPool, discard_kept
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
@@ -82,13 +83,18 @@ class Daemon:
         self.notifier.status("removing stale shared memory")
         for prefix in (POOL_PREFIX, INDEX_PREFIX):
             cleanup_stale(prefix)
-        self._check_ram(config)
+        self.warm = WarmPool(config) if config.warm_restart else None  # warm.py: the pool outlives us
+        if self.warm is None:
+            discard_kept(config)
+        self._check_ram(config, self.warm.kept_bytes() if self.warm else 0)
         n = next(_instances)  # a second daemon in one process (tests) needs its own name
-        self.pool_name = f"/{POOL_PREFIX}{os.getpid()}" + (f".{n}" if n else "")
+        self.pool_name = self.warm.pool_name if self.warm else f"/{POOL_PREFIX}{os.getpid()}" + (f".{n}" if n else "")
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
-        log.info("reserving and prefaulting a %s pool (about a second per GiB)...", format_size(config.pool_size))
+        log.info("reserving and prefaulting a %s pool (about a second per GiB) unless one was kept...",
+                 format_size(config.pool_size))
         try:
-            self.segment = ShmSegment(self.pool_name, config.pool_size, create=True, mode=config.shm_mode)
+            self.segment = (self.warm.open() if self.warm else
+                            ShmSegment(self.pool_name, config.pool_size, create=True, mode=config.shm_mode))
         except Exception as exc:
             raise StartupError(str(exc)) from None
         self.pool = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
@@ -107,12 +113,15 @@ class Daemon:
         self.listener = Listener(config, owns_path=self._lock_fd is not None)
         self.guard = ConnectionGuard(self.listener.router, self._lock_fd is not None and config.socket or "",
                                      lambda: self.config)
-        self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums else None,
+        self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums or self.warm else None,
                                  lambda: self.config, self.listener.send, Sessions.release_if_idle,
                                  self.counters, self.errors, self.housekeeping.latency)
         self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.counters,
                                  self.gpu, self.listener.handover, self.lookup_indexes)
         self.guard.on_closed = self.sessions.hung_up
+        if self.warm is not None:  # the kept blocks become READY before the first request
+            self.warm.adopt(self.index, self.copies.crcs if config.checksums else None)
+            self.index.journal = self.copies.journal = self.warm
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
         self.dispatcher = Dispatcher(lambda: self.config, self.listener, self.sessions, self.handlers,
                                      self.guard, lambda: self.stopping, self.counters, self.errors)
@@ -139,8 +148,8 @@ class Daemon:
 
     # ---- startup ------------------------------------------------------------------
     @staticmethod
-    def _check_ram(config: DaemonConfig) -> None:
-        avail = psutil.virtual_memory().available
+    def _check_ram(config: DaemonConfig, kept: int = 0) -> None:
+        avail = psutil.virtual_memory().available + kept  # a kept pool's pages are ours already
         limit = int(avail * config.ram_fraction)
         # The lookup mirrors live in /dev/shm next to the pool: their budget counts too.
         need = config.pool_size + (int(config.pool_size * config.lookup_index_share) if config.lookup_index else 0)
@@ -200,7 +209,7 @@ class Daemon:
 
     def _abort_start(self, why: str):
         self.pool = None  # the tensor over the mapping must go before the unmap
-        self.segment.close(unlink=True)
+        self.segment.close(unlink=self.warm is None)
         raise StartupError(why)
 
     # ---- signals --------------------------------------------------------------------
@@ -337,9 +346,12 @@ class Daemon:
         self.pool = None
         self.copies = None
         try:
-            self.segment.close(unlink=True)
+            self.segment.close(unlink=self.warm is None)  # warm: kept for the next daemon
         except BufferError:
-            unlink_segment(self.pool_name)
+            if self.warm is None:
+                unlink_segment(self.pool_name)
+        if self.warm is not None:
+            self.warm.close()
         if self._lock_fd is not None:
             for path in (self.config.socket, self.config.socket + HANDOVER_SUFFIX):
                 try:

@@ -24,6 +24,7 @@ class StatsSource(Protocol):
     gpu: object
     remote: object
     lookup_indexes: object
+    warm: object
     config: object
     counters: dict
     errors: dict
@@ -83,6 +84,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
         "remote": d.remote.stats() if d.remote is not None else {"enabled": False},
         "lookup_index": _mirror_stats(d.lookup_indexes),
+        "warm_restart": d.warm.stats() if d.warm is not None else {"enabled": False},
     }
 
 

@@ -13,7 +13,7 @@ that does not fit a whole slot + per used slot the stride rounding.
 
 Primitives: ``add_class(block_bytes) -> cls``, ``alloc(cls) -> offset | None``,
 ``alloc_many(cls, n) -> [offset]`` (ascending runs, fewer when full), ``free(offset)``, ``slab_of(offset)``, ``used_offsets(slab)``,
-``check_integrity()``.
+``claim([(cls, offset)]) -> [bool]`` (warm restart: take exactly these slots), ``check_integrity()``.
 """
 
 from __future__ import annotations
@@ -129,6 +129,39 @@ class SlabAllocator:
             c.slabs -= 1
             slab.cls, slab.free, slab.taken = -1, [], bytearray()
             self.free_slabs.append(s)
+
+    def claim(self, wanted: list[tuple[int, int]]) -> list[bool]:
+        """Take exactly the slots at ``wanted`` (class, offset) pairs, on an allocator
+        nothing was taken from yet (a warm restart rebuilding a kept pool). A pair
+        that is misaligned, out of range, in a slab of another class or already
+        taken is refused (False): the caller rejects that block."""
+        out, touched = [], set()
+        free_slabs = set(self.free_slabs)
+        for cls, offset in wanted:
+            c = self.classes[cls]
+            s, rem = divmod(offset, self.slab_bytes)
+            slot, bad = divmod(rem, c.stride)
+            ok = 0 <= s < len(self.slabs) and not bad and slot < c.per_slab
+            slab = self.slabs[s] if ok else None
+            if ok and slab.cls < 0:  # first block seen in this slab: it becomes this class's
+                free_slabs.discard(s)
+                slab.cls, slab.used, slab.taken = cls, 0, bytearray(c.per_slab)
+                c.slabs += 1
+            ok = ok and slab.cls == cls and not slab.taken[slot]
+            if ok:
+                slab.taken[slot] = 1
+                slab.used += 1
+                c.used += 1
+                touched.add(s)
+            out.append(ok)
+        for s in touched:  # free heaps rebuilt once, not one removal per slot
+            slab, c = self.slabs[s], self.classes[self.slabs[s].cls]
+            slab.free = [i for i in range(c.per_slab) if not slab.taken[i]]
+            c.partial.discard(s)
+            if slab.free:
+                c.partial.add(s)
+        self.free_slabs = [s for s in self.free_slabs if s in free_slabs]
+        return out
 
     def slab_of(self, offset: int) -> int:
         return offset // self.slab_bytes

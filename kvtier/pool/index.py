@@ -17,6 +17,7 @@ Primitives (scheduler-style, no I/O):
   complete_load(plan)
   pin(entries) / unpin(entries)            hold READY entries (no eviction) for a reader
   alloc(cls) / free(offset)                used by the swap table too
+  adopt(ns, [(key, offset)]) -> [Entry | None]  warm restart: READY entries at kept offsets
   flush(ns=None) -> int, check_integrity()
   take_events() -> [(kind, namespace, hash)]  "stored" / "removed", if enabled
 """
@@ -90,6 +91,7 @@ class BlockIndex:
         self.evictions = 0
         self.record_events = False
         self.mirror = None  # optional: .stored(bucket, keys) / .removed(bucket, key) as READY changes
+        self.journal = None  # optional: .removed(entry) before a READY entry's slot is freed (warm restart)
         self._events: list[tuple[str, str, bytes]] = []
 
     # ---- namespaces ----------------------------------------------------------
@@ -211,6 +213,31 @@ class BlockIndex:
                 raise IntegrityError(f"double unpin of {e.key.hex()}")
             e.pins -= 1
 
+    def adopt(self, ns: Bucket, blocks: list[tuple[bytes, int]]) -> list:
+        """READY entries for blocks a previous daemon committed at these offsets
+        (oldest first: they enter the policy in that order). A key already
+        present or an offset the allocator refuses gives None."""
+        wanted, seen = [], set()
+        for key, offset in blocks:  # a key present already, or twice: refused before any claim
+            wanted.append(None if key in ns.entries or key in seen else (key, offset))
+            seen.add(key)
+        claimed = iter(self.alloc_.claim([(ns.cls, w[1]) for w in wanted if w is not None]))
+        out = []
+        for w in wanted:
+            if w is None or not next(claimed):
+                out.append(None)
+                continue
+            e = Entry(ns, *w)
+            e.state = READY
+            ns.entries[e.key] = ns.ready_map[e.key] = self.by_offset[e.offset] = e
+            self.policy.insert(e)
+            out.append(e)
+        adopted = [e.key for e in out if e is not None]
+        ns.ready += len(adopted)
+        if self.mirror is not None and adopted:
+            self.mirror.stored(ns, adopted)
+        return out
+
     def discard(self, e: Entry) -> None:
         """Drop one READY entry now if unpinned (e.g. its checksum failed)."""
         if e.state == READY and e.pins == 0 and e.ns.entries.get(e.key) is e:
@@ -293,6 +320,8 @@ class BlockIndex:
             self._events.append(("removed", e.ns.fingerprint, e.key))
         self.policy.remove(e)
         if e.state == READY:
+            if self.journal is not None:  # its record goes before its slot can be written again
+                self.journal.removed(e)
             e.ns.ready -= 1
             del e.ns.ready_map[e.key]
             if self.mirror is not None:

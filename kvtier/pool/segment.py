@@ -37,10 +37,11 @@ class SegmentError(RuntimeError):
 
 
 class ShmSegment:
-    """A mapped shared-memory segment; ``create=True`` makes and reserves it."""
+    """A mapped shared-memory segment; ``create=True`` makes and reserves it.
+    ``check(stat) -> why`` vets an opened segment before it is mapped ("" = fine)."""
 
     def __init__(self, name: str, size: int = 0, *, create: bool = False, mode: int = 0o600,
-                 populate: bool = True, group: int | None = None):
+                 populate: bool = True, group: int | None = None, check=None):
         self.name = _checked(name)
         self.owner = create
         self._mmap: mmap.mmap | None = None
@@ -59,7 +60,11 @@ class ShmSegment:
                 if group is not None:  # e.g. the kvtier group, so the daemon's user can map it
                     os.fchown(shm.fd, -1, group)
                 _reserve(shm.fd, size, self.name)
-            self.size = os.fstat(shm.fd).st_size
+            st = os.fstat(shm.fd)
+            why = check(st) if check is not None else ""
+            if why:  # on the descriptor we map: no window for a swap of the name
+                raise SegmentError(f"shared memory {self.name}: {why}")
+            self.size = st.st_size
             if self.size == 0:
                 raise SegmentError(f"shared memory {self.name} is empty")
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)

@@ -1,0 +1,260 @@
+"""The warm-restart journal: a record per committed block, in shared memory.
+
+The pool segment outlives the daemon when ``warm_restart`` is on; this
+journal (a second segment beside it) says which of its bytes are committed
+blocks, of which namespace, so the next daemon can adopt them. It is written
+by the daemon's loop only, with no fsync (it is shared memory: it survives
+the process, not the node).
+
+Crash safety. A SIGKILL can stop the writer between any two stores, so every
+record is self-validating and written in an order that makes every
+intermediate state either invalid or complete:
+  * a slot is claimed only when its record's first word (crc) is zero;
+  * commit: the body (namespace slot + tag, generation, offset, size, data
+    crc32, block hash) is written, then the crc over the body - last;
+  * remove: the crc word is zeroed first (the record is dead from then on),
+    then the body.
+A reader accepts a record only when its crc matches, its generation is
+non-zero, its namespace slot is valid with the same tag and block size, and
+the block lies inside the pool. A block's record is written only after its
+bytes are in the pool (the store's copy has returned), and removed before
+its slot is freed, so a store in flight at death has no record.
+
+Namespace slots hold the full namespace key (tenant SEP fingerprint) and a
+random tag that each block record repeats: a slot rewritten for another
+namespace never adopts the old namespace's records.
+
+Layout (little-endian): a 4 KiB header (magic, format version, header crc,
+pool size, slab size, record count, namespace slots, creation time), then
+``NS_SLOTS`` namespace slots of ``NS_SLOT_BYTES``, then 64-byte records.
+
+Primitives: ``journal_bytes(pool_size)``, ``Journal.create(buf, pool_size, slab_size)``,
+``Journal.open(buf, pool_size, slab_size) -> (Journal | None, why)``, ``.scan() -> ([Kept], rejected)``,
+``.keep(kept)``, ``.commit(ns_key, block_bytes, key, offset, crc) -> bool``, ``.remove(offset)``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"KVTWARM\x00"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+NS_SLOTS = 1024
+NS_SLOT_BYTES = 2048
+RECORD_BYTES = 64
+BYTES_PER_RECORD = 16 * 2**10  # one record per 16 KiB of pool: smaller blocks may find the journal full
+MIN_RECORDS = 4096
+
+_HEAD = struct.Struct("<8sII")                # magic, version, crc of the fields below
+_FIELDS = struct.Struct("<QQQQd")             # pool size, slab size, records, ns slots, created
+_NS = struct.Struct("<IIQI")                  # crc, key length, tag, block bytes; key bytes follow
+_REC = struct.Struct("<IIQQII16sQ8x")         # crc, ns slot, generation, offset, size, data crc, hash, ns tag
+MAX_NS_KEY = NS_SLOT_BYTES - _NS.size
+assert _REC.size == RECORD_BYTES
+
+
+def record_count(pool_size: int) -> int:
+    return max(MIN_RECORDS, pool_size // BYTES_PER_RECORD)
+
+
+def journal_bytes(pool_size: int) -> int:
+    return HEADER_BYTES + NS_SLOTS * NS_SLOT_BYTES + record_count(pool_size) * RECORD_BYTES
+
+
+@dataclass
+class Kept:
+    """A valid record found by ``scan``: a block the last daemon committed."""
+    rec: int
+    ns_key: str
+    block_bytes: int
+    key: bytes
+    offset: int
+    crc: int
+    gen: int
+
+
+class Journal:
+    def __init__(self, buf: memoryview, pool_size: int, slab_size: int, created: float):
+        self.buf, self.pool_size, self.slab_size, self.created = buf, pool_size, slab_size, created
+        self.records = record_count(pool_size)
+        self._rec_base = HEADER_BYTES + NS_SLOTS * NS_SLOT_BYTES
+        self._free = list(range(self.records - 1, -1, -1))  # record slots, lowest on top
+        self._rec_of: dict[int, int] = {}                   # pool offset -> record slot
+        self._ns: dict[str, list] = {}                      # ns key -> [slot, tag, block bytes, records]
+        self._free_ns = list(range(NS_SLOTS - 1, -1, -1))
+        self._gen = 1
+        self.full = 0  # commits that found no free record (the block is served, not kept)
+
+    # ---- open ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, buf: memoryview, pool_size: int, slab_size: int) -> "Journal":
+        """A fresh journal over zeroed memory (a new segment)."""
+        if len(buf) < journal_bytes(pool_size):
+            raise ValueError("journal buffer too small")
+        created = time.time()
+        fields = _FIELDS.pack(pool_size, slab_size, record_count(pool_size), NS_SLOTS, created)
+        buf[_HEAD.size:_HEAD.size + len(fields)] = fields
+        _HEAD.pack_into(buf, 0, MAGIC, FORMAT_VERSION, zlib.crc32(fields))  # last: a torn header is refused
+        return cls(buf, pool_size, slab_size, created)
+
+    @classmethod
+    def open(cls, buf: memoryview, pool_size: int, slab_size: int) -> tuple["Journal | None", str]:
+        """The journal in ``buf`` if it describes a pool of these settings, else (None, why)."""
+        if len(buf) < HEADER_BYTES:
+            return None, "the journal is truncated"
+        magic, version, crc = _HEAD.unpack_from(buf, 0)
+        if magic != MAGIC:
+            return None, "the journal has no kvtier header"
+        if version != FORMAT_VERSION:
+            # Versions a later daemon knows how to read are converted here; others start cold.
+            return None, f"the journal is format v{version}, this daemon reads v{FORMAT_VERSION}"
+        fields = bytes(buf[_HEAD.size:_HEAD.size + _FIELDS.size])
+        if zlib.crc32(fields) != crc:
+            return None, "the journal header is damaged"
+        k_pool, k_slab, records, slots, created = _FIELDS.unpack(fields)
+        if k_pool != pool_size:
+            return None, f"pool_size changed ({k_pool} -> {pool_size} bytes)"
+        if k_slab != slab_size:
+            return None, f"slab_size changed ({k_slab} -> {slab_size} bytes)"
+        if records != record_count(pool_size) or slots != NS_SLOTS or len(buf) != journal_bytes(pool_size):
+            return None, "the journal's geometry does not match this daemon's"
+        return cls(buf, pool_size, slab_size, created), ""
+
+    # ---- adoption ------------------------------------------------------------------
+    def scan(self) -> tuple[list[Kept], int]:
+        """Every valid record (oldest generation first) and how many non-empty
+        records were refused (torn, misattributed, out of range)."""
+        spaces, kept, rejected = {}, [], 0
+        for slot in range(NS_SLOTS):
+            got = self._read_ns(slot)
+            if got is not None:
+                spaces[slot] = got
+        for rec in self._used_records():
+            pos = self._rec_base + rec * RECORD_BYTES
+            raw = self.buf[pos:pos + RECORD_BYTES]
+            crc, slot, gen, offset, size, dcrc, key, tag = _REC.unpack(raw)
+            ns = spaces.get(slot)
+            if (crc != _crc(raw[4:]) or gen == 0 or ns is None or ns[1] != tag or ns[2] != size
+                    or size <= 0 or offset < 0 or offset + size > self.pool_size):
+                rejected += 1
+                continue
+            kept.append(Kept(rec, ns[0], size, key, offset, dcrc, gen))
+        kept.sort(key=lambda k: k.gen)
+        return kept, rejected
+
+    def keep(self, kept: list[Kept]) -> None:
+        """Adopt ``kept`` (the records whose blocks the index took) and wipe every other
+        record and unused namespace slot, so nothing refused can come back later."""
+        live = {k.rec for k in kept}
+        for rec in self._used_records():
+            if rec not in live:
+                self._clear(rec)
+        self._free = [r for r in range(self.records - 1, -1, -1) if r not in live]
+        slots = {}
+        for slot in range(NS_SLOTS):
+            got = self._read_ns(slot)
+            if got is not None:
+                slots[got[0]] = [slot, got[1], got[2], 0]
+        for k in kept:
+            self._rec_of[k.offset] = k.rec
+            slots[k.ns_key][3] += 1
+            self._gen = max(self._gen, k.gen + 1)
+        self._ns = {key: v for key, v in slots.items() if v[3]}
+        used = {v[0] for v in self._ns.values()}
+        for slot in range(NS_SLOTS):
+            if slot not in used:
+                self._clear_ns(slot)
+        self._free_ns = [s for s in range(NS_SLOTS - 1, -1, -1) if s not in used]
+
+    # ---- updates (the daemon's loop) -----------------------------------------------
+    def commit(self, ns_key: str, block_bytes: int, key: bytes, offset: int, crc: int) -> bool:
+        """Record a committed block; False when it cannot be kept (journal full,
+        namespace key too long or no namespace slot left)."""
+        if offset in self._rec_of or len(key) != 16:
+            return False
+        ns = self._ns.get(ns_key) or self._new_ns(ns_key, block_bytes)
+        if ns is None or ns[2] != block_bytes or not self._free:
+            self.full += 1
+            return False
+        rec = self._free.pop()
+        pos = self._rec_base + rec * RECORD_BYTES
+        body = _REC.pack(0, ns[0], self._gen, offset, block_bytes, crc, key, ns[1])[4:]
+        self.buf[pos + 4:pos + RECORD_BYTES] = body
+        struct.pack_into("<I", self.buf, pos, _crc(body))  # last: until here the record is invalid
+        self._gen += 1
+        self._rec_of[offset] = rec
+        ns[3] += 1
+        return True
+
+    def remove(self, offset: int, ns_key: str) -> None:
+        rec = self._rec_of.pop(offset, None)
+        if rec is None:
+            return
+        self._clear(rec)
+        self._free.append(rec)
+        ns = self._ns.get(ns_key)
+        if ns is not None:
+            ns[3] -= 1
+            if ns[3] <= 0:  # no record names it any more: the slot may serve another namespace
+                del self._ns[ns_key]
+                self._clear_ns(ns[0])
+                self._free_ns.append(ns[0])
+
+    @property
+    def kept(self) -> int:
+        return len(self._rec_of)
+
+    def _used_records(self) -> list[int]:
+        """Slots whose record is not all zeros (numpy: a big journal is mostly empty)."""
+        words = np.frombuffer(self.buf, dtype=np.uint64, count=self.records * RECORD_BYTES // 8,
+                              offset=self._rec_base).reshape(self.records, RECORD_BYTES // 8)
+        return np.flatnonzero(words.any(axis=1)).tolist()
+
+    # ---- slots -----------------------------------------------------------------------
+    def _new_ns(self, ns_key: str, block_bytes: int) -> list | None:
+        raw = ns_key.encode()
+        if len(raw) > MAX_NS_KEY or not self._free_ns:
+            return None
+        slot = self._free_ns.pop()
+        tag = int.from_bytes(os.urandom(8), "little") or 1
+        pos = HEADER_BYTES + slot * NS_SLOT_BYTES
+        body = _NS.pack(0, len(raw), tag, block_bytes)[4:] + raw
+        self.buf[pos + 4:pos + _NS.size + len(raw)] = body
+        struct.pack_into("<I", self.buf, pos, _crc(body))  # last
+        ns = self._ns[ns_key] = [slot, tag, block_bytes, 0]
+        return ns
+
+    def _read_ns(self, slot: int) -> tuple[str, int, int] | None:
+        pos = HEADER_BYTES + slot * NS_SLOT_BYTES
+        crc, length, tag, size = _NS.unpack_from(self.buf, pos)
+        if crc == 0 or length > MAX_NS_KEY:
+            return None
+        body = bytes(self.buf[pos + 4:pos + _NS.size + length])
+        if _crc(body) != crc or tag == 0:
+            return None
+        try:
+            return body[_NS.size - 4:].decode(), tag, size
+        except UnicodeDecodeError:
+            return None
+
+    def _clear(self, rec: int) -> None:
+        pos = self._rec_base + rec * RECORD_BYTES
+        struct.pack_into("<I", self.buf, pos, 0)  # first: dead from here on
+        self.buf[pos + 4:pos + RECORD_BYTES] = bytes(RECORD_BYTES - 4)
+
+    def _clear_ns(self, slot: int) -> None:
+        pos = HEADER_BYTES + slot * NS_SLOT_BYTES
+        struct.pack_into("<I", self.buf, pos, 0)
+        self.buf[pos + 4:pos + NS_SLOT_BYTES] = bytes(NS_SLOT_BYTES - 4)
+
+
+def _crc(body) -> int:
+    # Salted so an all-zero body never carries a matching crc of 0.
+    return zlib.crc32(body, 0x6B767469) or 1

@@ -1,0 +1,207 @@
+"""A daemon restarted with ``warm_restart`` on keeps the node's cache: the next
+daemon adopts the pool segment and the journal of committed blocks, engines
+reconnect by themselves and hit at once, byte-exact. What was not committed,
+what another user planted and what a changed setting no longer fits is never
+adopted. Real daemon processes, real signals, real shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvtier.daemon.config import DaemonConfig
+from kvtier.daemon.warm import warm_names
+from kvtier.pool.segment import unlink_segment
+from tests.conftest import REPO
+from tests.daemon.test_reaping import wait_for
+from tests.helpers import NS, make_kv
+
+WARM = {"KVTIER_WARM_RESTART": "1"}
+OTHER_UID = 41006
+
+
+@pytest.fixture
+def warm(daemon_factory, tmp_path):
+    """``start(**kw)``: a warm_restart daemon process on one socket for the whole test;
+    the kept segments are removed at the end (no daemon unlinks them)."""
+    sock = str(tmp_path / "warm.sock")
+    names = warm_names(DaemonConfig(socket=sock))
+
+    def start(env=None, **kw):
+        return daemon_factory(process=True, socket=sock, env={**WARM, **(env or {})}, **kw)
+    start.names, start.socket = names, sock
+    yield start
+    for name in names:
+        unlink_segment(name)
+
+
+def hashes_of(tag: int, n: int) -> list[bytes]:
+    return [bytes([tag, i]) * 8 for i in range(n)]
+
+
+def blocks(kv, ids):
+    return [t[i].clone() for i in ids for t in kv.tensors]
+
+
+def test_sigterm_restart_keeps_every_committed_block_byte_exact(warm):
+    first = warm()
+    kv = make_kv(seed=3)
+    c = first.client(name="engine", timeout=5.0)
+    try:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        hs = hashes_of(1, 16)
+        assert c.store(hs, list(range(16))).wait().ok
+        want = blocks(kv, range(16))
+        first.stop(signal.SIGTERM)
+        assert all(os.path.exists("/dev/shm" + n) for n in warm.names)  # kept, not unlinked
+
+        second = warm()
+        assert wait_for(lambda: c.connected, 10)  # the engine reconnects and re-registers alone
+        w = second.stats()["warm_restart"]
+        assert (w["start"], w["adopted_blocks"], w["rejected_records"]) == ("warm", 16, 0)
+        assert w["adopted_at"] and w["unverified_blocks"] == 16
+        assert c.lookup(hs) == 16
+        for t in kv.tensors:
+            t[16:32].zero_()
+        assert c.load(hs, list(range(16, 32))).wait().ok
+        assert all(torch.equal(a, b) for a, b in zip(want, blocks(kv, range(16, 32))))
+        w = second.stats()["warm_restart"]
+        assert (w["unverified_blocks"], w["verify_failed"]) == (0, 0)  # checked at first load
+        assert "adopted 16 blocks" in second.read_log()
+    finally:
+        c.close()
+        kv.close()
+
+
+def test_sigkill_keeps_committed_blocks_and_never_a_store_in_flight(warm):
+    # Every copy chunk stalls 1.5 s: the second store is surely in flight at the kill.
+    first = warm(env={"KVTIER_COPY_DELAY_S": "1.5"})
+    kv = make_kv(seed=4)
+    c = first.client(name="engine", timeout=10.0)
+    try:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        done, in_flight = hashes_of(2, 8), hashes_of(3, 8)
+        assert c.store(done, list(range(8))).wait().ok
+        want = blocks(kv, range(8))
+        c.store(in_flight, list(range(8, 16)))
+        assert wait_for(lambda: first.stats()["clients"][0]["inflight"] == 1, 5)
+        first.stop(signal.SIGKILL)
+
+        second = warm()
+        assert wait_for(lambda: c.connected, 10)
+        assert second.stats()["warm_restart"]["adopted_blocks"] == 8
+        assert c.lookup(done) == 8
+        assert c.lookup(in_flight) == 0
+        for t in kv.tensors:
+            t[16:24].zero_()
+        assert c.load(done, list(range(16, 24))).wait().ok
+        assert all(torch.equal(a, b) for a, b in zip(want, blocks(kv, range(16, 24))))
+    finally:
+        c.close()
+        kv.close()
+
+
+def test_offloaded_requests_are_dropped_by_a_restart(warm):
+    first = warm()
+    kv = make_kv(seed=5)
+    c = first.client(name="engine", timeout=5.0)
+    try:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        assert c.offload("req-1", [1, 2, 3]).wait().ok
+        first.stop(signal.SIGTERM)
+        second = warm()
+        assert wait_for(lambda: c.connected, 10)
+        s = second.stats()
+        assert s["swap"]["requests"] == 0 and s["warm_restart"]["adopted_blocks"] == 0
+        assert not c.restore("req-1", [4, 5, 6]).wait(timeout=5).ok  # its owner's session died with the daemon
+    finally:
+        c.close()
+        kv.close()
+
+
+@pytest.mark.parametrize("changed, why", [({"pool_size": "32MiB"}, "pool_size changed"),
+                                          ({"slab_size": "2MiB"}, "slab_size changed")])
+def test_a_changed_pool_setting_starts_cold_and_replaces_the_kept_segments(warm, changed, why):
+    first = warm()
+    kv = make_kv(seed=6)
+    with first.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        assert c.store(hashes_of(4, 4), list(range(4))).wait().ok
+    first.stop()
+    second = warm(**changed)
+    w = second.stats()["warm_restart"]
+    assert (w["start"], w["adopted_blocks"]) == ("cold", 0) and why in w["reason"]
+    assert f"starting cold: {why}" in second.read_log()
+    size = os.stat("/dev/shm" + warm.names[0]).st_size
+    assert size == (32 if "pool_size" in changed else 64) * 2**20  # the new pool, not the old one
+    with second.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        assert c.lookup(hashes_of(4, 4)) == 0
+    kv.close()
+
+
+def test_a_newer_journal_format_is_never_read(warm):
+    first = warm()
+    first.stop()
+    with open("/dev/shm" + warm.names[1], "r+b") as f:  # a daemon from the future wrote v99
+        f.seek(8)
+        f.write((99).to_bytes(4, "little"))
+    second = warm()
+    w = second.stats()["warm_restart"]
+    assert w["start"] == "cold" and "format v99" in w["reason"]
+
+
+def test_turning_warm_restart_off_removes_the_kept_pool(warm, daemon_factory):
+    warm().stop()
+    assert all(os.path.exists("/dev/shm" + n) for n in warm.names)
+    off = daemon_factory(process=True, socket=warm.socket)
+    assert not any(os.path.exists("/dev/shm" + n) for n in warm.names)
+    assert "warm_restart is off: removed the kept segment" in off.read_log()
+
+
+PLANT = """
+import sys, os, mmap, posix_ipc
+sys.path.insert(0, {repo!r})
+from kvtier.pool.journal import Journal, journal_bytes
+os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})
+pool, jname, size = {pool!r}, {jname!r}, {size}
+p = posix_ipc.SharedMemory(pool, posix_ipc.O_CREX, mode=0o600, size=size)
+j = posix_ipc.SharedMemory(jname, posix_ipc.O_CREX, mode=0o600, size=journal_bytes(size))
+m = mmap.mmap(p.fd, size); m[0:16384] = b"\\x66" * 16384
+jm = mmap.mmap(j.fd, journal_bytes(size))
+jr = Journal.create(memoryview(jm), size, 4 * 2**20)
+print(jr.commit("uid0\\x1f" + {fp!r}, 16384, bytes([9, 0]) * 8, 0, 0))
+"""
+
+
+def test_a_pool_planted_by_another_user_is_refused_and_never_adopted(warm, tmp_path):
+    pool, jname = warm.names
+    fp = NS.fingerprint()
+    code = PLANT.format(repo=REPO, uid=OTHER_UID, pool=pool, jname=jname, size=64 * 2**20, fp=fp)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr  # a well-formed journal naming root's namespace
+    assert os.stat("/dev/shm" + pool).st_uid == OTHER_UID
+    d = warm()
+    w = d.stats()["warm_restart"]
+    assert (w["start"], w["adopted_blocks"]) == ("cold", 0)
+    assert f"owned by uid {OTHER_UID}" in w["reason"]
+    st = os.stat("/dev/shm" + pool)
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600  # replaced by the daemon's own
+    kv = make_kv(seed=8)
+    with d.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        assert c.lookup([bytes([9, 0]) * 8]) == 0
+    kv.close()
+
+
+def test_a_kept_pool_with_a_wider_mode_is_refused(warm):
+    warm().stop()
+    os.chmod("/dev/shm" + warm.names[0], 0o644)
+    w = warm().stats()["warm_restart"]
+    assert w["start"] == "cold" and "mode 644" in w["reason"]
