@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from .client import Client, DaemonUnavailable, KVTierError
 from .console import print_or_pipe_closed
@@ -102,6 +103,7 @@ def render_status(s: dict) -> str:
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
         f"loads {t['loaded']} blocks ({format_size(t['load_bytes'])})",
         *_remote(s.get("remote", {})),
+        *_warm(s.get("warm_restart", {})),
         "", f"{'NAMESPACE':<48} {'BLOCK':>10} {'BLOCKS':>8} {'BYTES':>12} {'HITS':>8} {'MISSES':>8}",
     ]
     for n in s["namespaces"]:
@@ -149,6 +151,21 @@ def _remote(r: dict) -> list[str]:
             f"written {r['written']} blocks ({format_size(r['written_bytes'])})  "
             f"corrupt {r['corrupt']}  forged {r.get('forged', 0)}  errors {r['errors']}  "
             f"queued {format_size(r['queued_bytes'])}"]
+
+
+def _warm(w: dict) -> list[str]:
+    """How this daemon started, on daemons with warm_restart on."""
+    if not w.get("enabled"):
+        return []
+    if w["start"] == "warm":
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(w["adopted_at"]))
+        head = (f"warm      adopted {w['adopted_blocks']} blocks at {when} in {w['adopt_s']:.3f}s "
+                f"(refused {w['rejected_records']}, {w['unverified_blocks']} not yet verified, "
+                f"{w['verify_failed']} failed verification)")
+    else:
+        head = f"warm      started cold: {w['reason']}"
+    return [head + f"; keeping {w['kept_blocks']} blocks for the next daemon"
+            + (f" ({w['not_kept']} not kept: journal full)" if w["not_kept"] else "")]
 
 
 def _pinned(p: dict) -> str:

@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -205,3 +206,92 @@ def test_a_kept_pool_with_a_wider_mode_is_refused(warm):
     os.chmod("/dev/shm" + warm.names[0], 0o644)
     w = warm().stats()["warm_restart"]
     assert w["start"] == "cold" and "mode 644" in w["reason"]
+
+
+# ---- SIGKILL at random points of a store/evict stream --------------------------------------
+NS2 = NS.__class__("other-model", "float16", "flashinfer", 16)
+
+
+def fill(kv, block: int, h: bytes, which: int) -> None:
+    """Engine block ``block`` gets the bytes block ``h`` of namespace ``which`` must have."""
+    base = (int.from_bytes(h[:2], "little") * 31 + which * 7919) % 30000
+    for layer, t in enumerate(kv.tensors):
+        t[block].view(torch.int16).fill_(base + layer)
+
+
+def holds(kv, block: int, h: bytes, which: int) -> bool:
+    base = (int.from_bytes(h[:2], "little") * 31 + which * 7919) % 30000
+    return all(bool((t[block].view(torch.int16) == base + layer).all()) for layer, t in enumerate(kv.tensors))
+
+
+def writer(c, kv, which, stop, acked, attempted, first):
+    """Store batches of fresh blocks (the same hashes in both namespaces, other bytes)
+    until the daemon is gone; a 16 MiB pool keeps evicting the oldest."""
+    import itertools
+    for n in itertools.count(first):
+        if stop.is_set():
+            return
+        hs = [(n * 8 + i).to_bytes(4, "little") * 4 for i in range(8)]
+        for i, h in enumerate(hs):
+            fill(kv, i, h, which)
+        attempted.append(hs)
+        try:
+            r = c.store(hs, list(range(8))).wait(timeout=5)
+        except TimeoutError:  # the daemon died with it in flight: never acknowledged
+            return
+        if not r.ok:
+            return
+        acked.append(hs)
+
+
+def test_sigkill_at_random_points_never_yields_a_torn_or_misattributed_block(warm):
+    import random
+    import threading
+    rng = random.Random(25)
+    d = warm(pool_size="16MiB", slab_size="1MiB")
+    kvs = [make_kv(), make_kv()]
+    clients = [d.client(name=f"engine{i}", timeout=5.0) for i in range(2)]
+    try:
+        for c, kv, ns in zip(clients, kvs, (NS, NS2)):
+            c.register_kv_cache(kv, [0] * 4, ns)
+        adopted_total = 0
+        for round_ in range(8):
+            stop = threading.Event()
+            acked, attempted = [[], []], [[], []]
+            threads = [threading.Thread(target=writer, args=(clients[i], kvs[i], i, stop, acked[i], attempted[i],
+                                                             round_ * 10**6))
+                       for i in range(2)]
+            for t in threads:
+                t.start()
+            time.sleep(rng.uniform(0.2, 1.5))
+            d.stop(signal.SIGKILL)  # somewhere in a store, a commit, an eviction or idle
+            stop.set()
+            for t in threads:
+                t.join(30)
+            d = warm(pool_size="16MiB", slab_size="1MiB")
+            assert all(wait_for(lambda c=c: c.connected, 15) for c in clients)
+            w = d.stats()["warm_restart"]  # stats() also checks the index's integrity
+            assert w["start"] == "warm", w["reason"]
+            adopted_total += w["adopted_blocks"]
+            print(f"round {round_}: adopted {w['adopted_blocks']}, refused {w['rejected_records']}")
+            for i, (c, kv) in enumerate(zip(clients, kvs)):
+                found = set()
+                every = [h for batch in attempted[i] for h in batch]
+                for k in range(0, len(every), 24):
+                    part = every[k:k + 24]
+                    r = c.load(part, list(range(8, 8 + len(part)))).wait(timeout=10)
+                    for j, h in enumerate(part):
+                        if j not in r.failed:
+                            assert holds(kv, 8 + j, h, i), f"round {round_}: block {h.hex()} of ns {i} is wrong"
+                            found.add(h)
+                # The last acknowledged batch is the most recent: it must have been kept.
+                if acked[i]:
+                    assert set(acked[i][-1]) <= found, f"round {round_}: an acknowledged store was lost"
+            w = d.stats()["warm_restart"]
+            assert w["verify_failed"] == 0  # no torn bytes ever reached the journal
+        assert adopted_total > 0
+    finally:
+        for c in clients:
+            c.close()
+        for kv in kvs:
+            kv.close()
