@@ -4,8 +4,8 @@ Runs in the engine's worker process. The vLLM worker and the Hugging Face
 tier are thin shims over this object; it holds everything that depends on
 where the KV lives rather than on which engine owns it:
 
-* **Registration.** CPU tensors are adopted into shared memory in place
-  (``adopt_tensors``: same addresses, the engine's views stay valid) and
+* **Registration.** CPU tensors are adopted into shared memory
+  (``adopt_tensors``: their storage moves, the engine's tensors and views follow) and
   handed to the daemon; CUDA tensors are registered in place over CUDA IPC
   (``CudaKVCache``: the daemon maps this device's memory, found by the GPU's
   UUID, so every TP rank registers its own device). A refusal (a daemon
@@ -104,7 +104,7 @@ class EngineKV:
             from ..transfer.cuda import CudaKVCache
             return CudaKVCache(tensors)  # in place: the engine keeps owning the memory
         from ..transfer.adopt import adopt_tensors
-        return adopt_tensors(tensors)  # in place: the engine's kernels keep their pointers
+        return adopt_tensors(tensors)  # the storage moves: every view of it (the engine's layers) follows
 
     def stream(self):
         """The engine's stream (CUDA), or None for CPU caches."""

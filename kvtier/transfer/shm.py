@@ -9,9 +9,9 @@ client hands the file descriptor itself to the daemon over the Unix socket
 position in that hand-over, never by a name. Nothing appears in /dev/shm,
 so no other process can open an engine's KV by guessing or listing names.
 
-``adopt.adopt_tensors(tensors)`` moves CPU tensors an engine already
-allocated into such memory in place (same addresses), for integrations that
-must register memory the engine allocated.
+``adopt.adopt_tensors(tensors)`` moves the storages under CPU tensors an
+engine already allocated into such memory (the tensor objects and their
+views follow), for integrations that must register memory the engine allocated.
 
 Tensors are never sent through pipes or queues (that silently copies them);
 only a descriptor, offsets and geometry travel.

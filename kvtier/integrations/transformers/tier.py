@@ -1,8 +1,8 @@
 """One HF paged cache's session with kvtier: the block copies, nothing else.
 
 Runs in the engine process, on HF's generation thread. ``attach`` registers
-the paged cache tensor through ``EngineKV`` (CPU: moved into shared memory in
-place; CUDA: in place over CUDA IPC, copies fenced on HF's compute stream) so
+the paged cache tensor through ``EngineKV`` (CPU: its storage moved into shared
+memory; CUDA: in place over CUDA IPC, copies fenced on HF's compute stream) so
 kvtier block ids are HF block ids (rows of the allocator's ``_copy_view``). The scheduler and
 the offloading manager decide *what* to copy; this object does the copy and
 reports the outcome as a value, never an exception: the engine then falls
@@ -96,14 +96,14 @@ class HFKVTier:
     @classmethod
     def attach(cls, cache: "PagedAttentionCache", client: Client, namespace: Namespace,
                stream=None) -> "HFKVTier":
-        """Register ``cache``'s tensor in place (same addresses, same bytes: HF's
-        views and outputs do not change); block ids are rows of ``_copy_view``.
+        """Register ``cache``'s tensor (same tensor objects, same bytes: HF's
+        views follow and outputs do not change); block ids are rows of ``_copy_view``.
         ``stream``: HF's compute stream on CUDA (None: the current stream).
         Raises KVTierError when the daemon refuses it."""
         allocator = next(iter(cache.cache_allocators.values()))
         flat = cache.cache_tensor.reshape(-1).view(torch.uint8)
         if flat.data_ptr() != cache.cache_tensor.data_ptr():
-            raise ValueError("HF's cache tensor is not contiguous: cannot register it in place")
+            raise ValueError("HF's cache tensor is not contiguous: cannot register it")
         rows = flat.numel() // allocator.bytes_per_block
         engine = EngineKV([flat[: rows * allocator.bytes_per_block].view(rows, -1)], [0], client, namespace,
                           stream=stream)

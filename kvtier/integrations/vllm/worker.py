@@ -1,8 +1,8 @@
 """Worker side (vLLM worker process): move chunks between vLLM's KV cache and kvtier.
 
 A thin shim over ``EngineKV``: vLLM's canonical per-layer KV tensors are
-registered as they are, CPU ones adopted into shared memory in place (same
-addresses, so attention reads the same memory), CUDA ones in place over CUDA
+registered as they are, CPU ones adopted into shared memory (their storage
+moves, so attention's views read the new memory), CUDA ones in place over CUDA
 IPC (each TP rank registers its own GPU). Each layer tensor is registered as
 one tensor of ``(num_blocks, page_bytes)``; one kvtier block holds
 ``blocks_per_chunk`` engine blocks of every layer. On CUDA a store is fenced
