@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Two Hugging Face continuous-batching processes sharing a prompt prefix through kvtier.
 
-    python client/hf_cb.py                       # private daemon, random tiny Llama (no download)
-    python client/hf_cb.py --socket /run/kvtier/kvtier.sock --model Qwen/Qwen2.5-0.5B-Instruct
+    kvtier-daemon &                              # or: --start-daemon (a private one)
+    python client/hf_cb.py                       # a random tiny Llama (no download)
+    python client/hf_cb.py --model Qwen/Qwen2.5-0.5B-Instruct
 
 Engine A (one process) answers a question about a long document; kvtier
 stores the document's KV blocks. Engine B (another process, started after A
@@ -66,13 +67,15 @@ def engine(name: str, which: int, socket: str, model_name: str | None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--socket", help="a running daemon's socket (default: start a private one)")
+    ap.add_argument("--socket", help="kvtier socket (default: KVTIER_SOCKET or the standard path)")
+    ap.add_argument("--start-daemon", action="store_true", help="run a private kvtier-daemon for the example")
     ap.add_argument("--model", help="a Hugging Face model id (default: a random tiny Llama, no download)")
     args = ap.parse_args()
     from kvtier.demo.daemon_proc import PrivateDaemon
+    from kvtier.protocol.endpoints import default_socket
 
-    daemon = None if args.socket else PrivateDaemon(pool_size="512MiB", slab_size="16MiB")
-    socket = args.socket or daemon.socket
+    daemon = PrivateDaemon(pool_size="512MiB", slab_size="16MiB") if args.start_daemon else None
+    socket = daemon.socket if daemon else args.socket or default_socket()
     try:
         ctx = mp.get_context("spawn")  # fresh interpreters: nothing shared but the daemon
         for name, which in (("A", 0), ("B", 1)):

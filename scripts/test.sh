@@ -32,6 +32,8 @@ make_venv .venv-hf "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]
 
 # 3 processes: most tests wait on daemons, engines and timeouts, not on the CPU.
 # loadfile: a module's tests share its fixtures (engines, Redis clusters) in one process.
-.venv-test/bin/python -m pytest -q -n 3 --dist loadfile "$@"
-echo "transformers $TRANSFORMERS_NEWEST:" >&2
-.venv-hf/bin/python -m pytest -q -n 0 "${HF_TESTS[@]}" "$@"
+rc=0
+.venv-test/bin/python -m pytest -q -n 3 --dist loadfile "$@" || rc=$?
+echo "again with transformers $TRANSFORMERS_NEWEST (.venv-hf):" >&2
+.venv-hf/bin/python -m pytest -q -n 0 "${HF_TESTS[@]}" "$@" || rc=$?
+exit "$rc"

@@ -28,12 +28,14 @@ def anon_rss(pid: int) -> int:
     return mi.rss - mi.shared
 
 
-def storm(c: Client, first: int, seconds: float) -> int:
+def storm(c: Client, first: int, cycles: int, seconds: float = 0.0) -> int:
     """Store 32 fresh blocks, look up and load some, swap a request out and back,
-    flush; repeat. Returns the next cycle number."""
+    flush; repeat ``cycles`` times, and on until ``seconds`` passed. Returns the
+    next cycle number. (A count, not a duration: a busy machine makes fewer
+    cycles per second, never a weaker test.)"""
     i = first
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while i < first + cycles or time.monotonic() < deadline:
         hashes = [i.to_bytes(8, "little") + bytes([k]) * 8 for k in range(32)]
         r = c.store(hashes, list(range(32))).wait()
         assert r.ok and r.done == 32, r
@@ -47,20 +49,21 @@ def storm(c: Client, first: int, seconds: float) -> int:
 
 
 def test_store_storm_keeps_daemon_memory_flat(daemon_factory):
-    seconds = float(os.environ.get("KVTIER_STORM_SECONDS", "4"))  # raise for a longer measurement
+    seconds = float(os.environ.get("KVTIER_STORM_SECONDS", "0"))  # set for a longer measurement
     d = daemon_factory(process=True, pool_size="64MiB", slab_size="4MiB")
     kv = make_kv(seed=1)
     with d.client(name="storm") as c:
         c.register_kv_cache(kv, [0] * 4, NS)
-        n = storm(c, 0, 1.5)  # warm-up: allocator free lists, pymalloc arenas, torch views
+        n = storm(c, 0, 100)  # warm-up: allocator free lists, pymalloc arenas, torch views
         before = anon_rss(d.proc.pid)
-        cycles = storm(c, n, seconds) - n
+        t0 = time.monotonic()
+        cycles = storm(c, n, 600, seconds) - n
+        seconds = time.monotonic() - t0
         after = anon_rss(d.proc.pid)
         s = c.stats(check=True)
     growth = after - before
     print(f"\nstore storm: {cycles} cycles in {seconds:.0f} s after {n} warm-up cycles; daemon RSS outside "
           f"the pool {before / MiB:.1f} -> {after / MiB:.1f} MiB (growth {growth / MiB:+.2f} MiB)")
-    assert cycles > 200, cycles
     assert growth < GROWTH_LIMIT, f"daemon grew {growth / MiB:.1f} MiB outside the pool in {cycles} cycles"
     assert s["integrity"] == "ok"
     assert s["pool"]["used_bytes"] == 0 and s["swap"]["bytes"] == 0
@@ -83,8 +86,9 @@ def start_refused(tmp_path, pool_size: str, *flags: str) -> tuple[int, str]:
 
 def test_pool_above_ram_fraction_is_refused(tmp_path):
     avail = psutil.virtual_memory().available
-    cases = [(0.8, f"{int(avail * 1.1) // MiB}MiB", ()),                    # the default fraction
-             (0.05, f"{int(avail * 0.1) // MiB}MiB", ("--ram-fraction", "0.05"))]
+    cases = [(0.8, f"{int(avail * 2) // MiB}MiB", ()),                      # the default fraction
+             (0.05, f"{int(avail * 0.5) // MiB}MiB", ("--ram-fraction", "0.05"))]  # 10x: other
+    # processes freeing memory meanwhile cannot make it fit
     for fraction, size, flags in cases:
         rc, err = start_refused(tmp_path, size, *flags)
         assert rc == 2, (rc, err[-2000:])  # unfit config: systemd must not restart-loop

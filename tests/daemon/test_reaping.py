@@ -34,7 +34,7 @@ def test_killed_mid_store_leaves_no_blocks_or_pins(daemon_factory, tmp_path):
     d = daemon_factory(process=True, extra=["--log-level", "INFO"], env={"KVTIER_COPY_DELAY_S": "1.0"})
     ready = str(tmp_path / "ready")
     p, _ = spawn(store_then_hang, d.socket, ready)
-    assert wait_for(lambda: os.path.exists(ready), 30)
+    assert wait_for(lambda: os.path.exists(ready), 120)  # a new interpreter: slow when busy
     s = d.stats()
     assert s["namespaces"][0]["writing"] == 32  # reserved but invisible
     os.kill(p.pid, signal.SIGKILL)
@@ -81,7 +81,7 @@ def test_killed_mid_load_releases_pins(daemon_factory, tmp_path):
         assert c.store(hashes, list(range(16))).wait().ok
         ready = str(tmp_path / "ready")
         p, _ = spawn(load_then_hang, d.socket, ready)
-        assert wait_for(lambda: os.path.exists(ready), 30)
+        assert wait_for(lambda: os.path.exists(ready), 120)  # a new interpreter: slow when busy
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         assert wait_for(lambda: len(d.stats()["clients"]) == 1, 10)
