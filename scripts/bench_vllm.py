@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.join(REPO, "client"))
 import vllm_offline as ex  # noqa: E402
 
 ENGINE = os.path.join(REPO, "scripts", "vllm_engine.py")
-SETTINGS_NOT_COMPARED = ("threads",)  # CPU seconds differ by nature
+SETTINGS_NOT_COMPARED = ("threads", "pids")  # CPU seconds and pids differ by nature
 
 
 class Engine:
@@ -228,6 +228,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tp-out", type=int, default=32)
     ap.add_argument("--no-killed", action="store_true", help="skip the daemon-killed rows")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    ap.add_argument("--profile", metavar="DIR", default="",
+                    help="py-spy (on PATH or --py-spy) records the kvtier engines' processes and the daemon "
+                         "over the timed blocks into DIR (summarise: scripts/profile_summary.py DIR)")
+    ap.add_argument("--py-spy", default="py-spy")
     add_json_flag(ap)
     args = ap.parse_args(argv)
     if args.quick:
@@ -278,6 +282,7 @@ def measure(args, eng: dict, daemon, neighbours: list[str], prompt_len: int) -> 
             e.ttft(prompts.new())
         e.call("reset")
     throughput(args, eng, timed, prompts, {}, 0)  # warm the batched path too
+    spies = profile(args, eng, daemon) if args.profile else []
     blocks, tp_blocks, loads = {}, {}, {}
     for nb in neighbours:
         times, per_run, tp, stored = {}, [], {}, []
@@ -304,7 +309,24 @@ def measure(args, eng: dict, daemon, neighbours: list[str], prompt_len: int) -> 
                 for n, s in got.items():
                     killed.setdefault(n, []).append(s)
         throughput(args, eng, ("alone", "tier"), prompts, tp_kill, 0)
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(120)
     return report(args, eng, blocks, tp_blocks, loads, killed, tp_kill, diff, prompt_len)
+
+
+def profile(args, eng: dict, daemon) -> list[subprocess.Popen]:
+    """One ``py-spy record`` per process: on-CPU stacks (idle threads left out) with thread names,
+    sampled without pausing the target."""
+    os.makedirs(args.profile, exist_ok=True)
+    targets = {"daemon": daemon.pid}
+    for n in ("tier", "nodaemon"):
+        pids = eng[n].ready["settings"]["pids"]
+        targets[f"{n}-scheduler"], targets[f"{n}-worker"] = pids["engine_core"], pids["worker"]
+    return [subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads",
+                              "--nonblocking", "--rate", "100", "-o", os.path.join(args.profile, f"{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=open(os.path.join(args.profile, f"{name}.log"), "w"))
+            for name, pid in targets.items()]
 
 
 def report(args, eng, blocks, tp_blocks, loads, killed, tp_kill, diff, prompt_len) -> dict:

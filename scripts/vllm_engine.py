@@ -55,6 +55,7 @@ def _worker_facts(worker) -> dict:
         "enforce_eager": vc.model_config.enforce_eager,
         "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
         "process_affinity": sorted(os.sched_getaffinity(0)),
+        "pids": {"worker": os.getpid(), "engine_core": os.getppid()},
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("OMP_", "KMP_", "GOMP_", "VLLM_CPU", "MKL_", "LD_PRELOAD", "MALLOC", "THP_"))},
     }
