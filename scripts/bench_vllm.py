@@ -316,15 +316,17 @@ def measure(args, eng: dict, daemon, neighbours: list[str], prompt_len: int) -> 
 
 
 def profile(args, eng: dict, daemon) -> list[subprocess.Popen]:
-    """One ``py-spy record`` per process: on-CPU stacks (idle threads left out) with thread names,
-    sampled without pausing the target."""
+    """One ``py-spy record`` per process, with thread names, sampled without pausing the target:
+    the daemon on-CPU only (what its copies take from the cores), the engines' scheduler and
+    worker processes idle included (``*-wall``: where their wall time goes, waits too)."""
     os.makedirs(args.profile, exist_ok=True)
-    targets = {"daemon": daemon.pid}
-    for n in ("tier", "nodaemon"):
+    targets = {"daemon-cpu": daemon.pid}
+    for n in ("alone", "tier", "nodaemon"):
         pids = eng[n].ready["settings"]["pids"]
-        targets[f"{n}-scheduler"], targets[f"{n}-worker"] = pids["engine_core"], pids["worker"]
+        targets[f"{n}-scheduler-wall"], targets[f"{n}-worker-wall"] = pids["engine_core"], pids["worker"]
     return [subprocess.Popen([args.py_spy, "record", "--pid", str(pid), "--format", "raw", "--threads",
-                              "--nonblocking", "--rate", "100", "-o", os.path.join(args.profile, f"{name}.txt")],
+                              "--nonblocking", "--rate", "100", "-o", os.path.join(args.profile, f"{name}.txt"),
+                              *(["--idle"] if name.endswith("-wall") else [])],
                              stdout=subprocess.DEVNULL, stderr=open(os.path.join(args.profile, f"{name}.log"), "w"))
             for name, pid in targets.items()]
 

@@ -3,7 +3,8 @@
     python scripts/profile_summary.py DIR [--rate 100] [--top 12]
 
 For every ``DIR/*.txt`` (one process each, as ``bench_vllm.py --profile DIR``
-writes them): CPU seconds sampled (py-spy leaves idle threads out), per thread
+writes them): seconds sampled (CPU seconds; thread-seconds with idle threads
+included for files named ``*-wall``, recorded with ``py-spy --idle``), per thread
 name, and the share under kvtier's code, broken down by kvtier function (the
 outermost kvtier frame of each stack, so a lookup and the socket work it does
 count once, under the lookup). Printed as Markdown.
@@ -57,11 +58,12 @@ def summarise(path: str, rate: float, top: int) -> str:
             kv[first] += n
     kv_total = sum(kv.values())
     name = os.path.splitext(os.path.basename(path))[0]
-    lines = [f"#### {name}: {total / rate:.2f} CPU s sampled, kvtier code {kv_total / rate:.2f} s "
-             f"({100 * kv_total / max(total, 1):.1f}%)", "", "| thread | CPU s |", "|---|---:|"]
+    unit = "thread-s (idle included)" if name.endswith("-wall") else "CPU s"
+    lines = [f"#### {name}: {total / rate:.2f} {unit} sampled, kvtier code {kv_total / rate:.2f} s "
+             f"({100 * kv_total / max(total, 1):.1f}%)", "", f"| thread | {unit} |", "|---|---:|"]
     lines += [f"| {t} | {n / rate:.2f} |" for t, n in threads.most_common(top)]
     if kv:
-        lines += ["", "| kvtier function (outermost) | CPU s | share of process |", "|---|---:|---:|"]
+        lines += ["", f"| kvtier function (outermost) | {unit} | share of process |", "|---|---:|---:|"]
         lines += [f"| `{f}` | {n / rate:.3f} | {100 * n / total:.2f}% |" for f, n in kv.most_common(top)]
     return "\n".join(lines)
 

@@ -14,6 +14,8 @@ print other lines to stdout too):
 * ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"s": .., "tokens": [[ids]]}``
 * ``{"op": "reset"}`` -> vLLM's own prefix cache dropped (the next request of a
   stored prompt can only hit kvtier)
+* ``{"op": "adopt_kv"}`` -> the KV cache moved into a memfd as kvtier's worker does
+  (with no connector: the memory-placement A/B)
 * ``{"op": "touch_kv"}`` -> every page of the KV cache written once (vLLM alone
   and kvtier then both run on memory that was touched before timing)
 * ``{"op": "settings"}`` -> the resolved settings again (e.g. after a warmup)
@@ -118,6 +120,24 @@ def _touch_kv(worker) -> int:
     return n
 
 
+def _adopt_kv(worker) -> str:
+    """Move this engine's KV cache into a sealed memfd the way kvtier's worker does
+    (no connector, no daemon): vLLM alone with kvtier's memory placement."""
+    from kvtier.transfer.adopt import adopt_tensors
+    global _ADOPTED
+    _ADOPTED = adopt_tensors(_kv_tensors(worker.model_runner))
+    return _mapping(*_span(worker.model_runner))["names"][0]
+
+
+_ADOPTED = None
+
+
+def _span(runner) -> tuple[int, int]:
+    kv = _kv_tensors(runner)
+    return (min(t.untyped_storage().data_ptr() for t in kv),
+            max(t.untyped_storage().data_ptr() + t.untyped_storage().nbytes() for t in kv))
+
+
 def _threads(_worker) -> list:
     """Every thread of the engine-core process: name, CPU binding, CPU seconds."""
     out = []
@@ -181,6 +201,8 @@ def serve(args) -> None:
             res = {"s": time.perf_counter() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
         elif op == "reset":
             res = {"ok": bool(llm.reset_prefix_cache())}
+        elif op == "adopt_kv":
+            res = {"mapping": llm.collective_rpc(_adopt_kv)[0]}
         elif op == "touch_kv":
             res = {"bytes": llm.collective_rpc(_touch_kv)[0]}
         elif op == "settings":
