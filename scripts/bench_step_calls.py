@@ -9,6 +9,7 @@ process and their steps are interleaved (``benchlib.round_robin``), next to
 a bare ZeroMQ round trip of the lookup's frame in the same run:
 
   daemon, socket lookups   lookup_index off: one round trip per lookup
+  daemon at nice -5        the same, the daemon as the systemd unit runs it
   daemon, mirror lookups   lookup_index on: the lookup reads shared memory
   no daemon                nothing at the socket path
   daemon killed            connected, then the daemon was SIGKILLed (its
@@ -19,7 +20,7 @@ a bare ZeroMQ round trip of the lookup's frame in the same run:
 Then, separately: a client looking up every millisecond while its daemon is
 SIGKILLed - the longest single call and how long until lookups answer 0.
 
-    python scripts/bench_step_calls.py [--seconds 3] [--busy 2] [--json PATH]
+    python scripts/bench_step_calls.py [--rounds 2000] [--busy 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -75,13 +76,16 @@ def spin() -> None:
         pass
 
 
-def states(seconds: float, busy: int) -> dict:
+def states(rounds: int, busy: int) -> dict:
     """Every state's step, interleaved: quiet, then with ``busy`` spinners."""
     with PrivateDaemon(pool_size="64MiB", slab_size="4MiB") as plain, \
             PrivateDaemon(pool_size="64MiB", slab_size="4MiB", env={"KVTIER_LOOKUP_INDEX": "true"}) as mirrored, \
             PrivateDaemon(pool_size="64MiB", slab_size="4MiB") as doomed, \
+            PrivateDaemon(pool_size="64MiB", slab_size="4MiB") as favoured, \
             bl.EchoServer(os.path.join(tempfile.mkdtemp(), "echo.sock"), len(encode(m.Hits(0), 1))) as echo:
+        os.setpriority(os.PRIO_PROCESS, favoured.proc.pid, -5)  # what the unit's Nice=-5 does (root only)
         engines = {"daemon, socket lookups": Engine(plain.socket),
+                   "daemon at nice -5, socket lookups": Engine(favoured.socket),
                    "daemon, mirror lookups": Engine(mirrored.socket),
                    "no daemon": Engine(os.path.join(tempfile.mkdtemp(), "absent.sock"), require=False),
                    "daemon killed": Engine(doomed.socket)}
@@ -92,12 +96,12 @@ def states(seconds: float, busy: int) -> dict:
         cases = {name: (e.step, e.settle) for name, e in engines.items()}
         cases["no kvtier (the step's own key making)"] = (lambda: [os.urandom(16) for _ in range(KEYS)], None)
         cases["bare ZeroMQ round trip (lookup frame)"] = (bare.call, None)
-        out = {"quiet": bl.round_robin(cases, seconds, min_reps=50, max_reps=100_000)}
+        out = {"quiet": bl.round_robin(cases, 1e9, min_reps=rounds, max_reps=rounds)}
         spinners = [mp.Process(target=spin, daemon=True) for _ in range(busy)]
         for sp in spinners:
             sp.start()
         try:
-            out["busy"] = bl.round_robin(cases, seconds, min_reps=50, max_reps=100_000)
+            out["busy"] = bl.round_robin(cases, 1e9, min_reps=rounds, max_reps=rounds)
         finally:
             for sp in spinners:
                 sp.kill()
@@ -138,11 +142,11 @@ def kill_mid_run() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=3.0, help="timed work per case and load")
+    p.add_argument("--rounds", type=int, default=2000, help="steps of each case per load (interleaved)")
     p.add_argument("--busy", type=int, default=os.cpu_count(), help="spinning neighbours for the busy run")
     bl.add_json_flag(p)
     args = p.parse_args()
-    report = {"machine": bl.machine_notes(), **states(args.seconds, args.busy)}
+    report = {"machine": bl.machine_notes(), **states(args.rounds, args.busy)}
     report["kill"] = kill_mid_run()
     rows = [[name, q["p50_us"], q["p99_us"], report["busy"][name]["p50_us"], report["busy"][name]["p99_us"]]
             for name, q in report["quiet"].items()]
