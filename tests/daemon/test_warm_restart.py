@@ -295,3 +295,39 @@ def test_sigkill_at_random_points_never_yields_a_torn_or_misattributed_block(war
             c.close()
         for kv in kvs:
             kv.close()
+
+
+# ---- tenancy across a restart ------------------------------------------------------------
+def test_adopted_blocks_keep_their_tenant_and_are_never_served_to_another(tmp_path):
+    """The victim's tenant ("team", two uids) stores; the daemon restarts warm. Its
+    teammate loads the exact bytes from the adopted pool; another user with the same
+    fingerprint and hashes gets 0 hits and no bytes."""
+    import shutil
+    import tempfile
+
+    from tests.conftest import DaemonProc
+    from tests.daemon.test_tenants import ATTACKER, FRIEND, VICTIM, finish_victim, lines, start_victim, worker
+    if os.geteuid() != 0:
+        pytest.skip("cross-user isolation needs root to run workers as other uids")
+    run = tempfile.mkdtemp(prefix="kvt-warm-")
+    os.chmod(run, 0o755)
+    sock = os.path.join(run, "kvtier.sock")
+    env = {**WARM, "KVTIER_SOCKET_MODE": "666", "KVTIER_TENANTS": f"team:{VICTIM},{FRIEND}"}
+    d = DaemonProc(tmp_path, env=env, socket=sock)
+    try:
+        v, stored = start_victim(sock, VICTIM)
+        finish_victim(v)
+        d.stop(signal.SIGTERM)
+        d = DaemonProc(tmp_path, env=env, socket=sock)
+        s = d.stats()
+        assert s["warm_restart"]["adopted_blocks"] == 4
+        assert [(n["tenant"], n["blocks"]) for n in s["namespaces"]] == [("team", 4)]
+        other = lines(worker("reader", sock, ATTACKER))["read"]
+        assert (other["hits"], other["loaded"]) == (0, 0)
+        friend = lines(worker("reader", sock, FRIEND))["read"]
+        assert (friend["hits"], friend["loaded"]) == (4, 4) and friend["digest"] == stored["digest"]
+    finally:
+        d.stop()
+        for name in warm_names(DaemonConfig(socket=sock)):
+            unlink_segment(name)
+        shutil.rmtree(run, ignore_errors=True)
