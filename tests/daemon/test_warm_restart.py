@@ -50,7 +50,7 @@ def blocks(kv, ids):
     return [t[i].clone() for i in ids for t in kv.tensors]
 
 
-def test_sigterm_restart_keeps_every_committed_block_byte_exact(warm):
+def test_sigterm_restart_keeps_every_committed_block_byte_exact(warm, capsys):
     first = warm()
     kv = make_kv(seed=3)
     c = first.client(name="engine", timeout=5.0)
@@ -75,6 +75,10 @@ def test_sigterm_restart_keeps_every_committed_block_byte_exact(warm):
         w = second.stats()["warm_restart"]
         assert (w["unverified_blocks"], w["verify_failed"]) == (0, 0)  # checked at first load
         assert "adopted 16 blocks" in second.read_log()
+        from kvtier.cli import main as kvtier_cli
+        assert kvtier_cli(["status", "--socket", second.socket]) == 0
+        line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warm")]
+        assert line and "adopted 16 blocks at" in line[0] and "0 failed verification" in line[0]
     finally:
         c.close()
         kv.close()
