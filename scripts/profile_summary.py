@@ -7,7 +7,9 @@ writes them): seconds sampled (CPU seconds; thread-seconds with idle threads
 included for files named ``*-wall``, recorded with ``py-spy --idle``), per thread
 name, and the share under kvtier's code, broken down by kvtier function (the
 outermost kvtier frame of each stack, so a lookup and the socket work it does
-count once, under the lookup). Printed as Markdown.
+count once, under the lookup; kvtier's own threads count by thread name). In a
+``-wall`` file the rows under the engine's threads are time the engine spent in
+kvtier calls, waits included: its critical path. Printed as Markdown.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def summarise(path: str, rate: float, top: int) -> str:
         threads[name] += n
         first = next((f for f in frames if f.startswith("kvtier/")), None)
         if first is not None:
-            kv[first] += n
+            # kvtier's own threads (keeper, copy) by name; on the engine's threads, by function
+            kv[f"thread {name}" if name.startswith("kvtier-") else first] += n
     kv_total = sum(kv.values())
     name = os.path.splitext(os.path.basename(path))[0]
     unit = "thread-s (idle included)" if name.endswith("-wall") else "CPU s"

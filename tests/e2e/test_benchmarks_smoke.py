@@ -167,8 +167,7 @@ def test_bench_vllm_fair_benchmark_produces_every_row(tmp_path):
     # Same engine settings on every side: the OpenMP binding included; only where the KV lives differs.
     s = data["settings"]
     assert s["alone"]["torch_threads"] == s["tier"]["torch_threads"] == s["nodaemon"]["torch_threads"]
-    assert {k for k, _ in data["settings_diff"]} <= {"kv_cache.mapping.names", "kv_cache.mapping.flags",
-                                                     "kv_cache.mapping.kB.Anonymous"}
+    assert data["settings_diff"] and all(k.startswith("kv_cache.mapping.") for k, _ in data["settings_diff"])
     assert "resolved settings that differ" in out and "miss (daemon up) |" in out
 
 
