@@ -27,12 +27,14 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def kv_transfer_config(socket: str | None, block_size: int = 32) -> dict:
+def kv_transfer_config(socket: str | None, block_size: int = 32, kvtier_events: str = "") -> dict:
     """The one setting that puts a vLLM engine on kvtier."""
     extra = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
              "block_size": block_size}
     if socket:
         extra["kvtier_socket"] = socket
+    if kvtier_events:
+        extra["kvtier_events"] = kvtier_events
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
@@ -65,7 +67,12 @@ def run_engine(args) -> dict:
     kw = {}
     if not args.no_kvtier:
         from vllm.config import KVTransferConfig
-        kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(args.socket, args.block_size))
+        kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(args.socket, args.block_size,
+                                                                         args.kvtier_events))
+    if args.kv_events:  # vLLM's KV event stream (what routers read), published on ZeroMQ
+        from vllm.config import KVEventsConfig
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                endpoint=args.kv_events, topic="kvtier")
     t0 = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype,
               block_size=args.block_size, max_model_len=args.max_model_len, seed=0,
@@ -103,7 +110,8 @@ def _pause(sync_dir: str) -> None:
 
 def engine_command(model: str, prompts_file: str, *, socket: str | None, kvtier: bool = True,
                    dtype: str = "bfloat16", max_tokens: int = 8, block_size: int = 32,
-                   max_model_len: int = 4096, pause_after: int = -1, sync_dir: str = "") -> list[str]:
+                   max_model_len: int = 4096, pause_after: int = -1, sync_dir: str = "",
+                   kv_events: str = "", kvtier_events: str = "") -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "engine", "--model", model, "--prompts", prompts_file,
            "--dtype", dtype, "--max-tokens", str(max_tokens), "--block-size", str(block_size),
            "--max-model-len", str(max_model_len), "--pause-after", str(pause_after)]
@@ -113,6 +121,10 @@ def engine_command(model: str, prompts_file: str, *, socket: str | None, kvtier:
         cmd.append("--no-kvtier")
     if sync_dir:
         cmd += ["--sync-dir", sync_dir]
+    if kv_events:
+        cmd += ["--kv-events", kv_events]
+    if kvtier_events:
+        cmd += ["--kvtier-events", kvtier_events]
     return cmd
 
 
@@ -150,6 +162,8 @@ def main(argv=None) -> int:
     e.add_argument("--max-model-len", type=int, default=4096)
     e.add_argument("--pause-after", type=int, default=-1)
     e.add_argument("--sync-dir", default="")
+    e.add_argument("--kv-events", default="", help="publish vLLM's KV events on this ZeroMQ endpoint")
+    e.add_argument("--kvtier-events", default="", help="the daemon's block event endpoint (its `events`)")
     e.add_argument("--mem-util", type=float, default=0.3, help="vLLM CPU: fraction of RAM it may reserve")
     ap.add_argument("--model", default=None, help="checkpoint dir or id (default: a tiny random Llama)")
     ap.add_argument("--socket", default=None, help="kvtier socket (default: KVTIER_SOCKET or the standard path)")

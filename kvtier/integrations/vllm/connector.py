@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+from .manager import KVTierManager
 from .spec import _ENGINE, EngineConfigs
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class KVTierConnector(OffloadingConnector):
     def _prefetch(self, request: "Request", num_computed_tokens: int) -> None:
         """One batched lookup of the chunks vLLM is about to ask for one by one."""
         sched = self.scheduler
+        if not isinstance(sched.manager, KVTierManager):
+            return  # another spec's manager: vLLM's per-chunk lookups, unchanged
         state = sched._req_status.get(request.request_id)
         if state is None or state.transfer_jobs or request.skip_reading_prefix_cache:
             return
@@ -109,4 +112,5 @@ class KVTierConnector(OffloadingConnector):
         super().update_connector_output(connector_output)
         for req_id in connector_output.failed_recving or ():
             log.warning("kvtier: load for request %s failed; vLLM recomputes it", req_id)
-            self.scheduler.manager.exclude(req_id)
+            if isinstance(self.scheduler.manager, KVTierManager):
+                self.scheduler.manager.exclude(req_id)

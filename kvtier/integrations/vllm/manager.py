@@ -12,18 +12,23 @@ and ``exclude`` makes later lookups for that request miss so it cannot loop.
 
 ``prepare_store`` hands every key to the worker: the daemon skips blocks it
 already holds or is writing, so deduplication costs no copy.
+
+``take_events`` reports what the pool holds for this engine on vLLM's KV
+event stream (``events.py``): chunks stored or found by a lookup, and chunks
+a lookup or the daemon's event feed says are gone.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
     LookupResult,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -33,6 +38,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client import Client, KVTierError, Namespace, ShmKVCache
+from .events import TierEvents
 from .naming import kvtier_key
 
 log = logging.getLogger("kvtier.vllm")
@@ -50,7 +56,8 @@ class KVTierSpecs(LoadStoreSpec):
 
 class KVTierManager(OffloadingManager):
     def __init__(self, namespace: Namespace, engine_block_bytes: int, blocks_per_chunk: int,
-                 socket: str | None, name: str):
+                 socket: str | None, name: str, events: TierEvents | None = None):
+        self.events = events or TierEvents(enabled=False)
         self.client = Client(socket, name=name, require_daemon=False)
         # A lookup needs a registration in the namespace. The scheduler has no KV
         # cache, so it registers a one-block stand-in with the workers' block size.
@@ -77,6 +84,8 @@ class KVTierManager(OffloadingManager):
         hits = self._lookup([kvtier_key(k) for k in keys])
         for i, k in enumerate(keys):
             self._answers[k] = i < hits
+        self.events.stored(keys[:hits])
+        self.events.missing(keys[hits:hits + 1])  # the first miss is known gone; later ones unknown
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self.enabled or req_context.req_id in self._excluded:
@@ -87,6 +96,7 @@ class KVTierManager(OffloadingManager):
                 self._warned_unbatched = True
                 log.warning("kvtier: lookup without prefetch; one round trip per chunk")
             hit = self._answers[key] = self._lookup([kvtier_key(key)]) == 1
+            (self.events.stored if hit else self.events.missing)([key])
         return LookupResult.HIT if hit else LookupResult.MISS
 
     def _lookup(self, hashes: list[bytes]) -> int:
@@ -110,6 +120,13 @@ class KVTierManager(OffloadingManager):
         return PrepareStoreOutput(keys_to_store=keys, store_spec=KVTierSpecs([kvtier_key(k) for k in keys]),
                                   evicted_keys=[])
 
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        if success:
+            self.events.stored(keys)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return self.events.take()
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
@@ -125,5 +142,6 @@ class KVTierManager(OffloadingManager):
         self._answers.clear()
 
     def shutdown(self) -> None:
+        self.events.close()
         self.client.close()
         self._probe.close()

@@ -8,8 +8,10 @@ failed load (it asserts success), so the spec refuses to run under it
 rather than risk vLLM reading blocks a failed load never wrote.
 
 ``kv_connector_extra_config`` keys read here (all optional):
-``kvtier_socket`` (default: ``$KVTIER_SOCKET`` or the standard path), and
-vLLM's own ``block_size`` /
+``kvtier_socket`` (default: ``$KVTIER_SOCKET`` or the standard path),
+``kvtier_events`` (the daemon's block event endpoint, its ``events``
+setting: lets the engine's KV events report evictions as they happen; the
+daemon lets only operators read it), and vLLM's own ``block_size`` /
 ``blocks_per_chunk`` (tokens or engine blocks per kvtier block).
 """
 
@@ -67,10 +69,19 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             from .manager import KVTierManager
             self.identity.warn_if_unshareable()
-            self._manager = KVTierManager(self.identity.namespace(0), self.engine_block_bytes,
-                                          self.blocks_per_chunk, self.socket,
-                                          name=f"vllm-scheduler-{self.config.engine_id}"[:64])
+            namespace = self.identity.namespace(0)
+            self._manager = KVTierManager(namespace, self.engine_block_bytes, self.blocks_per_chunk, self.socket,
+                                          name=f"vllm-scheduler-{self.config.engine_id}"[:64],
+                                          events=self._events(namespace))
         return self._manager
+
+    def _events(self, namespace):
+        from .events import DaemonFeed, TierEvents
+        # vLLM drains take_events only when it publishes KV events.
+        enabled = self.kv_events_config.enable_kv_cache_events
+        endpoint = self.extra_config.get("kvtier_events") or None
+        feed = DaemonFeed(endpoint, namespace.fingerprint()) if enabled and endpoint else None
+        return TierEvents(enabled, feed)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:

