@@ -74,8 +74,9 @@ def outcomes(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(OPT_125M))
     (tmp / "redirect.json").write_text(json.dumps({"facebook/opt-125m": str(model)}))
-    report = tmp / "report.xml"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_MODEL_REDIRECT_PATH": str(tmp / "redirect.json"),
+    report, proof = tmp / "report.xml", tmp / "proof"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVTIER_CONTRACT_PROOF": str(proof),
+           "VLLM_MODEL_REDIRECT_PATH": str(tmp / "redirect.json"),
            "PYTHONPATH": os.pathsep.join([root, REPO, os.path.join(REPO, "tests", "integrations", "vllm_contract")])}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvtier_vllm_contract",
            "-W", "ignore", "-n", "2", "--junitxml", str(report), "--rootdir", root,
@@ -83,13 +84,16 @@ def outcomes(tmp_path_factory) -> dict[str, list[tuple[str, str, str]]]:
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     if not report.exists():
         pytest.fail(f"vLLM's tests did not run (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
+    # The plugin ran: vLLM's tests built kvtier's connector and worker, not vLLM's.
+    assert proof.read_text().split() == ["kvtier.integrations.vllm.connector.KVTierConnector", "KVTierConnectorWorker"]
     return _parse(report)
 
 
 def _parse(report) -> dict[str, list[tuple[str, str, str]]]:
     out: dict[str, list[tuple[str, str, str]]] = {f: [] for f in FILES}
     for case in ET.parse(report).iter("testcase"):
-        file = case.get("classname", "").rsplit(".", 1)[-1] + ".py"
+        parts = case.get("classname", "").split(".")  # ...offloading_connector.test_x[.TestClass]
+        file = next((p + ".py" for p in parts if p + ".py" in FILES), parts[-1] + ".py")
         state, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):

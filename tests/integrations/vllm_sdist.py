@@ -21,8 +21,8 @@ import tempfile
 import urllib.request
 
 VERSION = "0.32.0"
-SDIST_URL = ("https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/"
-             f"vllm-{VERSION}.tar.gz")
+SDIST_URL = ("https://files.pythonhosted.org/packages/d5/df/"
+             f"5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-{VERSION}.tar.gz")
 SDIST_SHA256 = "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
 
 # What the offloading tests import from vLLM's tests package (and no more:

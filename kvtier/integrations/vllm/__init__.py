@@ -19,6 +19,7 @@ Where each part runs (three processes touch it, each with its own kvtier client)
   to the scheduler (which then recomputes).
 * ``spec.py`` - ``KVTierOffloadingSpec``: builds the two sides below.
 * ``manager.py`` - scheduler side (engine core): lookups, no data.
+* ``events.py`` - scheduler side: kvtier's chunks on vLLM's KV event stream.
 * ``worker.py`` - worker side: adopts vLLM's CPU KV tensors into shared
   memory and asks the daemon to copy blocks.
 * ``naming.py`` - namespace and key derivation (no vLLM import).

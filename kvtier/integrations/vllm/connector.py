@@ -12,6 +12,10 @@ What it changes, and why:
 * Scheduler side: before vLLM looks a request's chunks up one by one, the
   request's keys go to the manager in one batch (one round trip per request
   per step), and a request whose load failed is never offered a hit again.
+
+With another spec (vLLM's CPU spec, a test's mock) the scheduler side is
+vLLM's own, unchanged: vLLM's offloading-connector tests pass with this class
+in place of ``OffloadingConnector`` (``tests/integrations/test_vllm_contract.py``).
 """
 
 from __future__ import annotations
