@@ -194,3 +194,33 @@ def test_a_daemon_killed_mid_copy_fails_the_transfer_and_nothing_half_written_su
 def subprocess_daemon_like(d):
     from tests.conftest import DaemonProc
     return DaemonProc(d.log_path.parent, socket=d.socket)
+
+
+def test_close_never_gives_up_blocks_a_stopped_daemon_may_still_write(daemon_factory):
+    """A daemon stopped (SIGSTOP) mid-load cannot confirm the cancel that
+    close() sends: close(timeout) returns False and leaves the handle pending,
+    its blocks held. Resumed, the daemon confirms; a second close() finishes,
+    and from then on nothing writes the blocks the engine reuses. (Before:
+    close gave up after 5 s, failed the handle and released the blocks, and
+    the resumed daemon wrote into blocks the engine had reused.)"""
+    d = daemon_factory(process=True, env=SLOW)
+    src, dst = make_kv(seed=11), make_kv(seed=12)
+    with d.client(name="writer") as writer:
+        writer.register_kv_cache(src, [0] * 4, NS)
+        assert writer.store(HASHES, IDS).wait().ok
+    reader = d.client(name="reader")
+    reader.register_kv_cache(dst, [0] * 4, NS)
+    load = reader.load(HASHES, IDS)
+    assert wait_for(lambda: d.stats(check=False)["clients"][0]["inflight"] == 1, 5)
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        assert reader.close(timeout=1.0) is False
+        assert not load.done() and load.held_blocks == tuple(IDS)
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    assert reader.close() is True
+    assert load.done() and load.held_blocks == ()
+    fill(dst, IDS, -7.0)  # the engine reuses the blocks
+    assert stays(lambda: blocks_equal(dst, IDS, -7.0), BLOCKS * CHUNK_DELAY + 0.5)
+    src.close()
+    dst.close()
