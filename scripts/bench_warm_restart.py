@@ -44,15 +44,24 @@ BLOCK = 4 * 2 * 16 * 8 * 128 * 2
 
 
 def spawn(sock: str, pool: int, warm: bool) -> tuple[subprocess.Popen, float]:
-    """The daemon and the seconds until its socket exists."""
+    """The daemon and the seconds until its loop answers a client (HELLO + stats)."""
+    if os.path.exists(sock):
+        os.unlink(sock)
     env = {**os.environ, "KVTIER_WARM_RESTART": "1" if warm else "0", "KVTIER_RAM_FRACTION": "0.95"}
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size", str(pool),
                           "--slab-size", "16MiB", "--log-level", "WARNING", *no_system_config()],
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while not os.path.exists(sock):
+    while True:
         if p.poll() is not None:
             raise SystemExit(f"daemon failed: {p.communicate()[1][-2000:]}")
+        if os.path.exists(sock):
+            try:
+                with Client(sock, name="probe", timeout=60) as c:
+                    c.stats()
+                break
+            except Exception:  # bound but not serving yet
+                pass
         time.sleep(0.002)
     return p, time.perf_counter() - t0
 
