@@ -88,15 +88,18 @@ class Daemon:
             discard_kept(config)
         self._check_ram(config, self.warm.kept_bytes() if self.warm else 0)
         n = next(_instances)  # a second daemon in one process (tests) needs its own name
-        self.pool_name = self.warm.pool_name if self.warm else f"/{POOL_PREFIX}{os.getpid()}" + (f".{n}" if n else "")
+        self.pool_name = f"/{POOL_PREFIX}{os.getpid()}" + (f".{n}" if n else "")
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
         log.info("reserving and prefaulting a %s pool (about a second per GiB) unless one was kept...",
                  format_size(config.pool_size))
         try:
-            self.segment = (self.warm.open() if self.warm else
-                            ShmSegment(self.pool_name, config.pool_size, create=True, mode=config.shm_mode))
+            self.segment = self.warm.open() if self.warm else None
+            if self.segment is None:  # warm_restart off, or its name is held by another user
+                self.warm = None
+                self.segment = ShmSegment(self.pool_name, config.pool_size, create=True, mode=config.shm_mode)
         except Exception as exc:
             raise StartupError(str(exc)) from None
+        self.pool_name = self.segment.name
         self.pool = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size), POLICIES[config.policy]())
         self.index.record_events = bool(config.events)

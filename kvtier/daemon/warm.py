@@ -51,8 +51,10 @@ log = logging.getLogger("kvtier.daemon")
 WARM_PREFIX = "kvtier-warm."
 
 
-def warm_names(config) -> tuple[str, str]:
-    h = hashlib.sha256(f"{os.geteuid()}:{config.socket}".encode()).hexdigest()[:16]
+def warm_names(config, uid: int | None = None) -> tuple[str, str]:
+    """The kept pool's and journal's names for this daemon's user (or ``uid``) and socket."""
+    uid = os.geteuid() if uid is None else uid
+    h = hashlib.sha256(f"{uid}:{config.socket}".encode()).hexdigest()[:16]
     return f"/{WARM_PREFIX}{h}", f"/{WARM_PREFIX}{h}.journal"
 
 
@@ -84,8 +86,9 @@ class WarmPool:
             return 0
         return st.st_size if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) else 0
 
-    def open(self) -> ShmSegment:
-        """The pool segment: the kept one when it fits these settings, else a new one."""
+    def open(self) -> ShmSegment | None:
+        """The pool segment: the kept one when it fits these settings, else a new one;
+        None when the kept name is blocked (the daemon makes a pid-named pool instead)."""
         t0 = time.monotonic()
         why = self._open_kept()
         if not why:
@@ -98,7 +101,16 @@ class WarmPool:
         for name in (self.journal_name, self.pool_name):
             unlink_segment(name)
         size = self.config.pool_size
-        self.segment = ShmSegment(self.pool_name, size, create=True, mode=self.config.shm_mode)
+        try:
+            self.segment = ShmSegment(self.pool_name, size, create=True, mode=self.config.shm_mode)
+        except SegmentError as exc:
+            if not os.path.lexists(SHM_DIR + self.pool_name):
+                raise  # no room: the caller reports it
+            # The name is held by a segment we cannot remove (another user's, in the sticky
+            # /dev/shm): run without warm restart rather than not at all.
+            self.reason += f"; {exc}: running without warm restart"
+            log.error("warm restart: %s", self.reason)
+            return None
         try:
             self.jsegment = ShmSegment(self.journal_name, journal_bytes(size), create=True,
                                        mode=self.config.shm_mode)

@@ -335,3 +335,52 @@ def test_adopted_blocks_keep_their_tenant_and_are_never_served_to_another(tmp_pa
         for name in warm_names(DaemonConfig(socket=sock)):
             unlink_segment(name)
         shutil.rmtree(run, ignore_errors=True)
+
+
+RUN_AS = """
+import os, sys
+sys.path.insert(0, {repo!r})
+import kvtier.daemon.main, kvtier.daemon.server, kvtier.remote.bridge, logging.handlers, json  # all, while root
+os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})
+sys.exit(kvtier.daemon.main.main(sys.argv[1:]))
+"""
+
+
+def test_a_name_held_by_another_user_does_not_stop_an_unprivileged_daemon(tmp_path, monkeypatch):
+    """Run as its own user, the daemon cannot remove a segment another user planted
+    under its kept pool's name (/dev/shm is sticky): it refuses it and runs with a
+    pid-named pool and no warm restart, instead of not starting."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the daemon and the planter as other uids")
+    import shutil
+    import tempfile
+    daemon_uid = 41008
+    run = tempfile.mkdtemp(prefix="kvt-warm-uid-")  # /tmp/pytest-of-root is root's only
+    os.chown(run, daemon_uid, daemon_uid)
+    sock = os.path.join(run, "kvtier.sock")
+    pool, jname = warm_names(DaemonConfig(socket=sock), uid=daemon_uid)
+    code = PLANT.format(repo=REPO, uid=OTHER_UID, pool=pool, jname=jname, size=64 * 2**20, fp=NS.fingerprint())
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).returncode == 0
+    log = open(tmp_path / "daemon.log", "w")
+    p = subprocess.Popen([sys.executable, "-c", RUN_AS.format(repo=REPO, uid=daemon_uid), "--socket", sock,
+                          "--pool-size", "64MiB", "--slab-size", "4MiB", "--gpu", "off"],
+                         env={**os.environ, **WARM, "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: os.path.exists(sock) or p.poll() is not None, 60)
+        assert p.poll() is None, (tmp_path / "daemon.log").read_text()
+        from kvtier.client import Client
+        monkeypatch.setenv("KVTIER_DAEMON_USER", str(daemon_uid))  # the client trusts that daemon's socket
+        with Client(sock, name="probe", timeout=10) as c:
+            s = c.stats()
+        assert s["warm_restart"] == {"enabled": False}
+        assert os.stat("/dev/shm" + pool).st_uid == OTHER_UID  # untouched, never read
+        text = (tmp_path / "daemon.log").read_text()
+        assert "refusing the kept pool" in text and "running without warm restart" in text
+        assert f"pool /kvtier-pool.{p.pid}" in text
+    finally:
+        p.terminate()
+        p.wait(30)
+        log.close()
+        for name in (pool, jname):
+            unlink_segment(name)
+        shutil.rmtree(run, ignore_errors=True)
