@@ -114,6 +114,8 @@ class DaemonProc(DaemonHandle):
             if os.path.exists(self.socket) and "kvtier-daemon pid" in self.read_log():
                 return
             time.sleep(0.05)
+        self.proc.kill()  # not left running (and holding a pool) once the test has given up on it
+        self.proc.wait()
         raise RuntimeError(f"daemon did not start: {self.read_log()}")
 
     def read_log(self) -> str:
