@@ -79,6 +79,25 @@ def test_stored_chunks_are_announced_once_and_evictions_by_the_daemon_as_removed
     assert list(manager.take_events()) == []
 
 
+def test_another_engine_announces_chunks_once_its_lookups_find_them(engine):
+    """A second engine on the node (its own scheduler) did not store the
+    chunks; its lookup hits them, and from then on its own stream announces
+    them (it can load them), the first chunk past the hits not at all."""
+    daemon, worker, manager = engine
+    keys = offload_keys(3, salt=4)
+    store(worker, manager, keys[:2], job=3)
+    other = KVTierManager(NS, LAYERS * PAGE, K, daemon.socket, name="vllm-scheduler-other",
+                          events=TierEvents(True))
+    try:
+        assert other.take_events() == []
+        other.prefetch("r9", keys)
+        assert other.lookup(keys[0], req("r9")) == vllm_base.LookupResult.HIT
+        (found,) = other.take_events()
+        assert (found.removed, found.keys) == (False, keys[:2])
+    finally:
+        other.shutdown()
+
+
 def test_a_lookup_that_finds_an_announced_chunk_gone_reports_it_removed():
     """Without the daemon's feed the manager learns of a loss from lookups:
     the first chunk that misses is gone (later ones are unknown)."""
