@@ -117,3 +117,17 @@ def test_vllm_offloading_connector_tests_pass_with_kvtier_connector(outcomes, vl
     stale = [k for k in DIFFERENCES if k.startswith(f"{vllm_file}::") and k not in failed]
     assert not stale, f"documented differences that no longer fail: {stale}"
     assert any(state == "passed" for _, state, _ in cases)
+
+
+def test_a_tampered_sdist_is_never_unpacked(tmp_path, monkeypatch):
+    """The test files run as code in CI: an sdist whose sha256 is not the
+    pinned one (a substituted download or a local file) is refused, nothing
+    is unpacked, and the caller skips with the reason."""
+    from tests.integrations import vllm_sdist
+    fake = tmp_path / f"vllm-{vllm_sdist.VERSION}.tar.gz"
+    fake.write_bytes(b"not vLLM")
+    monkeypatch.setenv("KVTIER_VLLM_TESTS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVTIER_VLLM_SDIST", str(fake))
+    with pytest.raises(vllm_sdist.Unavailable, match="sha256"):
+        vllm_sdist.tests_root()
+    assert not os.path.exists(os.path.join(vllm_sdist.cache_root(), f"vllm-{vllm_sdist.VERSION}-tests"))

@@ -7,7 +7,7 @@ reuse it. Where the cache is empty and PyPI cannot be reached, the caller
 skips with the reason and how to provide the file.
 
 Cache: ``$KVTIER_VLLM_TESTS_CACHE``, else ``$XDG_CACHE_HOME/kvtier`` (or
-``~/.cache/kvtier``). An already downloaded sdist can be named with
+``~/.cache/kvtier``; the temp dir where that is read-only). An already downloaded sdist can be named with
 ``$KVTIER_VLLM_SDIST`` (no network needed).
 """
 
@@ -49,7 +49,12 @@ def cache_root() -> str:
     if explicit:
         return explicit
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvtier")
+    root = os.path.join(base, "kvtier")
+    try:
+        os.makedirs(root, exist_ok=True)
+        return root
+    except OSError:  # a read-only home (some CI runners): the temp dir still caches per machine
+        return os.path.join(tempfile.gettempdir(), "kvtier-cache")
 
 
 def tests_root() -> str:
