@@ -81,7 +81,11 @@ class DaemonConfig:
     max_namespaces_per_user: int = 64  # per tenant; empty, unregistered namespaces are forgotten
     max_copy_pieces: int = 1 << 20  # separate copies one transfer may cost (~2 us each): blocks x tensors
     max_transfers_per_user: int = 1024  # transfers in flight from one Unix user (all its connections)
-    max_pieces_in_flight_per_user: int = 1 << 22  # copy pieces those transfers hold (>= max_copy_pieces)
+    max_pieces_in_flight_per_user: int = 1 << 18  # copy pieces those transfers hold (~200 B of daemon memory each)
+    max_mappings_per_user: int = 1024  # memory mappings one user's registrations hold (one per handed-over fd)
+    max_mappings: int = 16384       # all users together; with the daemon's own, below vm.max_map_count
+    max_handovers_per_user: int = 8  # hand-over connections of one user accepted but not answered yet
+    max_queued_frames: int = 64     # frames read from one connection and not yet handled (then it waits)
 
     def __post_init__(self):
         def bad(key, why):
@@ -143,12 +147,13 @@ class DaemonConfig:
         for key, lo, hi in (("max_connections", 1, 1 << 20), ("max_connections_per_user", 1, 1 << 20),
                             ("max_namespaces_per_user", 1, 4096), ("max_copy_pieces", 1, 1 << 30),
                             ("max_transfers_per_user", 1, 1 << 20),
+                            ("max_mappings_per_user", 1, 1 << 24), ("max_mappings", 1, 1 << 24),
+                            ("max_handovers_per_user", 1, 1024), ("max_queued_frames", 1, 1 << 20),
                             ("max_pieces_in_flight_per_user", 1, 1 << 32)):
             if not isinstance(getattr(self, key), int) or not lo <= getattr(self, key) <= hi:
                 bad(key, f"must be an int in [{lo}, {hi}]")
-        if self.max_pieces_in_flight_per_user < self.max_copy_pieces:
-            bad("max_pieces_in_flight_per_user", f"must be at least max_copy_pieces ({self.max_copy_pieces}): "
-                "one transfer alone must always fit")
+        if self.max_mappings_per_user > self.max_mappings:
+            bad("max_mappings_per_user", f"must not exceed max_mappings ({self.max_mappings})")
         if not 0 < self.hello_deadline_s <= MAX_PERIOD_S:
             bad("hello_deadline_s", f"must be > 0 and at most {MAX_PERIOD_S:.0f} seconds")
         if self.metrics and metrics_address(self.metrics) is None:

@@ -90,7 +90,7 @@ class CopyRunner:
         """Why a prepared ``op`` may not start now ("" if it may)."""
         cap = self.settings().max_pieces_in_flight_per_user
         transfers, pieces = self.user_load(op.client.uid)
-        if transfers and pieces + op.pieces > cap:  # alone, any transfer fits (config checks it)
+        if transfers and pieces + op.pieces > cap:  # alone, any transfer fits (max_copy_pieces bounds it)
             return (f"{pieces} copy pieces of this user are in flight, this transfer adds {op.pieces} "
                     f"(max_pieces_in_flight_per_user {cap}); wait for some to finish")
         return ""

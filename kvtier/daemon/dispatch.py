@@ -5,7 +5,9 @@ reply or one typed error, whatever it holds.
 ``Dispatcher.handle(identity, frame, frames)`` decodes, checks who asks and
 what may be asked now, and runs the request's handler (``requests.py``). It
 is also how the remote tier re-runs a load once the blocks it fetched are in
-the pool. Every exception maps to an error reply here and nowhere else.
+the pool. Every exception maps to an error reply here and nowhere else: the
+daemon running out of descriptors, mappings or memory (``EMFILE``,
+``ENOMEM``, ``MemoryError``) is ``EXHAUSTED`` for that request alone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import zmq
 from ..protocol import messages as m
 from ..protocol.codec import decode
 from ..protocol.errors import ErrorCode, ProtocolError, side_of
+from ..transfer.mapping import RESOURCE_ERRNOS
 from .guard import ConnectionGuard
 from .listen import Listener
 from .peers import peer_of_fd
@@ -60,7 +63,8 @@ class Dispatcher:
                     self.listener.send(frames[0].bytes, 0, m.Error(ErrorCode.BAD_MESSAGE,
                                                                    "expected exactly one frame", "client"))
                 continue
-            self.handle(frames[0].bytes, frames[1].bytes, frames)
+            # The body as a buffer: its size is checked before a byte of it is copied.
+            self.handle(frames[0].bytes, frames[1].buffer, frames)
 
     def handle(self, identity: bytes, frame: bytes, frames=()) -> None:
         """Every request gets a reply or an error.
@@ -103,9 +107,12 @@ class Dispatcher:
                 reply = self.handlers.table[kind](client, msg, identity, req_id)
         except (ProtocolError, DaemonError) as exc:
             reply = self.error(exc.code, exc.message, client)
-        except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("internal error handling a request from %r", client.id if client else identity)
-            reply = self.error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", client)
+        except Exception as exc:
+            if _exhausted(exc):  # out of descriptors or mappings: this request is refused, the session goes on
+                reply = self.error(ErrorCode.EXHAUSTED, f"the daemon is out of resources: {exc}", client)
+            else:  # a bug: answer, log, keep serving
+                log.exception("internal error handling a request from %r", client.id if client else identity)
+                reply = self.error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", client)
         if reply is not None:
             self.listener.send(identity, req_id, reply)
 
@@ -123,6 +130,11 @@ class Dispatcher:
         if peer is None and not (url or _is_tcp(srcfd)):
             raise DaemonError(ErrorCode.UNAUTHORIZED, "cannot identify this connection's process")
         return peer
+
+
+def _exhausted(exc: BaseException) -> bool:
+    """A failure for want of descriptors, mappings or memory (not a bug)."""
+    return isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS)
 
 
 def _is_tcp(srcfd: int) -> bool:

@@ -7,14 +7,21 @@ kernel whose it is (``SO_PEERCRED``), and cuts (``shutdown``) a connection
 that is over the total or per-user cap, or that has not said HELLO by
 ``hello_deadline_s``. libzmq then sees the hang-up and closes its fd.
 At startup ``fd_headroom`` raises the descriptor limit and refuses a limit
-too low for the configured caps.
+too low for the configured caps, and ``map_headroom`` refuses a
+``vm.max_map_count`` too low for ``max_mappings`` plus the daemon's own.
+
+What the daemon holds per user, all capped: ZeroMQ connections
+(``max_connections_per_user``), unanswered hand-over connections
+(``max_handovers_per_user``), unused hand-over tickets and their
+descriptors (8 x 16), memory mappings (``max_mappings_per_user``; a mapping
+keeps no descriptor). The totals over all users fit the process limits.
 
 It also tells the sessions when a connection closed (``on_closed(fd)``):
 that, and the process's exit, is how a local client's session ends.
 
 Primitives: ``ConnectionGuard(router, path, settings)``, ``.fd`` (poll it),
 ``.on_events()``, ``.on_closed``, ``.hello(fd)``, ``.expire(now)``, ``.close()``,
-``fd_headroom(config)``.
+``fd_headroom(config)``, ``map_headroom(config)``.
 """
 
 from __future__ import annotations
@@ -31,12 +38,15 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from ..pool.index import MAX_NAMESPACES
 from .config import DaemonConfig
 from .handover import MAX_FDS, MAX_PENDING, MAX_TICKETS
 from .peers import peer_of_fd
 
 log = logging.getLogger("kvtier.daemon")
 BASE_FDS = 256  # the daemon's own: pool, logs, CUDA, metrics, copy threads' wakeups, slack
+BASE_MAPPINGS = 8192  # the daemon's own (~400 measured on CPU: libraries, thread stacks, arenas; CUDA adds many)
+MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 
 
 @dataclass
@@ -62,6 +72,22 @@ def fd_headroom(config: DaemonConfig) -> int:
                          f"({config.max_connections}) plus hand-overs; need {need}: raise LimitNOFILE "
                          "or lower max_connections")
     return soft
+
+
+def map_headroom(config: DaemonConfig, path: str = MAX_MAP_COUNT) -> int:
+    """The kernel's per-process mapping limit, or an error message when
+    ``max_mappings`` plus lookup mirrors plus the daemon's own would not fit
+    (past it every mmap fails, torch's and Python's allocations included)."""
+    try:
+        with open(path) as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return 0  # not Linux, or hidden: nothing to check against
+    need = config.max_mappings + (MAX_NAMESPACES if config.lookup_index else 0) + BASE_MAPPINGS
+    if limit < need:
+        raise ValueError(f"vm.max_map_count ({limit}) cannot hold max_mappings ({config.max_mappings}) plus the "
+                         f"daemon's own; need {need}: raise vm.max_map_count or lower max_mappings")
+    return limit
 
 
 class ConnectionGuard:

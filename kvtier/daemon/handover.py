@@ -11,10 +11,14 @@ to a REGISTER that presents the ticket over ZeroMQ from a session of the
 same pid. A ticket is good once, for ``TICKET_TTL_S``.
 
 Everything here is non-blocking and served by the daemon's poll loop; what
-one peer can hold is bounded (pending connections, tickets per uid,
-descriptors per ticket, time).
+one peer can hold is bounded (pending connections per uid and in all,
+tickets per uid, descriptors per ticket, time): one user holding every
+pending slot used to block every other user's hand-over. When accepting
+fails for want of descriptors (``EMFILE``), the listener rests for
+``ACCEPT_BACKOFF_S`` instead of waking the loop again at once (it used to
+spin and log ~1 MB/s).
 
-Primitives: ``Handover(path, mode, gid)``, ``.poll_fds()``, ``.on_ready(fd)``,
+Primitives: ``Handover(path, mode, gid, per_uid)``, ``.poll_fds()``, ``.on_ready(fd)``,
 ``.expire(now)``, ``.take(ticket, peer) -> Ticket | str``, ``.close()``.
 """
 
@@ -30,7 +34,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from .peers import Peer, peer_of
+from .peers import Peer, peer_of, uid_of
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -41,6 +45,8 @@ MAX_TICKETS_PER_UID = 8
 MAX_TICKETS = 64
 TICKET_TTL_S = 30.0
 MAX_REQUEST = 256         # bytes of the request message
+ACCEPT_BATCH = 256        # connections accepted (or refused) per loop turn
+ACCEPT_BACKOFF_S = 0.2    # after EMFILE/ENFILE/ENOMEM on accept, the listener rests this long
 
 
 @dataclass(eq=False)
@@ -59,8 +65,8 @@ class Ticket:
 
 
 class Handover:
-    def __init__(self, path: str, mode: int, gid: int | None):
-        self.path = path
+    def __init__(self, path: str, mode: int, gid: int | None, per_uid: int = 8):
+        self.path, self.per_uid = path, per_uid
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.setblocking(False)
         old = os.umask(0o777 & ~mode)
@@ -72,12 +78,15 @@ class Handover:
         if gid is not None:
             os.chown(path, -1, gid)
         self.sock.listen(64)
-        self.pending: dict[int, tuple[socket.socket, float]] = {}
+        self.pending: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (conn, deadline, uid)
         self.tickets: dict[str, Ticket] = {}
-        self.counters = {"handovers": 0, "refused": 0}
+        self.counters = {"handovers": 0, "refused": 0, "accept_failed": 0}
+        self._resting_until = 0.0
 
     # ---- poll loop ---------------------------------------------------------------------
     def poll_fds(self) -> list[int]:
+        if time.monotonic() < self._resting_until:  # out of descriptors a moment ago: let them come back
+            return list(self.pending)
         return [self.sock.fileno(), *self.pending]
 
     def on_ready(self, fd: int) -> None:
@@ -87,23 +96,33 @@ class Handover:
             self._serve(fd)
 
     def _accept(self) -> None:
-        for _ in range(MAX_PENDING):
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and friends: the fd budget is the guard's business
-                log.warning("hand-over accept failed: %s", exc)
+            except OSError as exc:  # EMFILE and friends: rest instead of spinning on a readable socket
+                self.counters["accept_failed"] += 1
+                if self._resting_until == 0.0 or self.counters["accept_failed"] % 100 == 1:
+                    log.warning("hand-over accept failed (%s); resting %.1fs (%d failures so far)", exc,
+                                ACCEPT_BACKOFF_S, self.counters["accept_failed"])
+                self._resting_until = time.monotonic() + ACCEPT_BACKOFF_S
                 return
-            if len(self.pending) >= MAX_PENDING:
+            try:
+                uid = uid_of(conn)
+            except OSError:
+                conn.close()
+                continue
+            mine = sum(1 for _, _, u in self.pending.values() if u == uid)
+            if len(self.pending) >= MAX_PENDING or mine >= self.per_uid:
                 self.counters["refused"] += 1
-                conn.close()  # too many half-open hand-overs: this one is dropped
+                conn.close()  # too many half-open hand-overs (of this user): this one is dropped
                 continue
             conn.setblocking(False)
-            self.pending[conn.fileno()] = (conn, time.monotonic() + CONNECT_DEADLINE_S)
+            self.pending[conn.fileno()] = (conn, time.monotonic() + CONNECT_DEADLINE_S, uid)
 
     def _serve(self, fd: int) -> None:
-        conn, _ = self.pending[fd]
+        conn = self.pending[fd][0]
         try:
             data, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST, MAX_FDS)
         except (BlockingIOError, InterruptedError):
@@ -144,7 +163,7 @@ class Handover:
         return {"ticket": token}
 
     def expire(self, now: float) -> None:
-        for fd, (conn, deadline) in list(self.pending.items()):
+        for fd, (conn, deadline, _) in list(self.pending.items()):
             if now >= deadline:
                 del self.pending[fd]
                 conn.close()
@@ -166,7 +185,7 @@ class Handover:
         return t
 
     def close(self) -> None:
-        for conn, _ in self.pending.values():
+        for conn, _, _ in self.pending.values():
             conn.close()
         self.pending.clear()
         for t in self.tickets.values():

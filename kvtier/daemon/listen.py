@@ -104,7 +104,10 @@ class Listener:
         # Per peer: a peer that reads nothing can make the daemon hold at most this many
         # replies (mostly tens of bytes; stats are withheld from such a peer, server.py).
         self.router.setsockopt(zmq.SNDHWM, 10_000)
-        self.router.setsockopt(zmq.RCVHWM, 100_000)
+        # Per peer: frames read from its connection but not yet handled. Past it libzmq stops
+        # reading that connection (the sender waits), so one peer's flood of 16 MiB frames
+        # costs at most max_queued_frames of them, not 100,000 (it used to: GiBs of RSS).
+        self.router.setsockopt(zmq.RCVHWM, config.max_queued_frames)
         self.router.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_message)  # hard backstop
         if owns_path:  # we hold the lock: the old daemon is gone
             remove_our_socket(config.socket)
@@ -125,7 +128,8 @@ class Listener:
                 except (KeyError, PermissionError) as exc:
                     self.close()
                     raise StartupError(f"socket_group {config.socket_group!r}: {exc}") from None
-            self.handover = Handover(config.socket + HANDOVER_SUFFIX, config.socket_mode, gid)
+            self.handover = Handover(config.socket + HANDOVER_SUFFIX, config.socket_mode, gid,
+                                     config.max_handovers_per_user)
         if config.tcp:
             self.router.bind(config.tcp)
         self.pub = None

@@ -5,7 +5,7 @@ never from what it says. For the ZeroMQ socket the daemon learns which
 connection a frame came from (``ZMQ_SRCFD``) and asks the kernel about that
 connection; for the hand-over socket it asks directly.
 
-Primitives: ``Peer`` (uid, gid, pid, groups), ``peer_of(sock)``,
+Primitives: ``Peer`` (uid, gid, pid, groups), ``peer_of(sock)``, ``uid_of(sock)``,
 ``peer_of_fd(fd, expect_path)``, ``groups_of(pid)``.
 """
 
@@ -30,6 +30,11 @@ class Peer:
 def peer_of(sock: socket.socket) -> Peer:
     pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     return Peer(uid, gid, pid, frozenset({gid}) | groups_of(pid))
+
+
+def uid_of(sock: socket.socket) -> int:
+    """The peer's uid alone (one getsockopt, no /proc read)."""
+    return _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))[1]
 
 
 def peer_of_fd(fd: int, expect_path: str) -> Peer | None:

@@ -51,7 +51,7 @@ from .config import DaemonConfig
 from .copies import CopyRunner
 from .dispatch import Dispatcher
 from .housekeeping import Housekeeping
-from .guard import ConnectionGuard, fd_headroom
+from .guard import ConnectionGuard, fd_headroom, map_headroom
 from .listen import HANDOVER_SUFFIX, Listener, StartupError, UnfitConfig, remove_our_socket, take_socket_lock
 from .lookup_index import STALE_PREFIX as INDEX_PREFIX
 from .lookup_index import LookupIndexes
@@ -111,13 +111,14 @@ class Daemon:
         self.notifier.status(f"binding {config.socket}")
         try:
             fd_headroom(config)
+            map_headroom(config)
         except ValueError as exc:
             self._abort_start(str(exc))
         self.listener = Listener(config, owns_path=self._lock_fd is not None)
         self.guard = ConnectionGuard(self.listener.router, self._lock_fd is not None and config.socket or "",
                                      lambda: self.config)
         self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums or self.warm else None,
-                                 lambda: self.config, self.listener.send, Sessions.release_if_idle,
+                                 lambda: self.config, self.listener.send, lambda reg: self.sessions.release_if_idle(reg),
                                  self.counters, self.errors, self.housekeeping.latency)
         self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.counters,
                                  self.gpu, self.listener.handover, self.lookup_indexes)

@@ -9,6 +9,14 @@ kernel cannot show, are reaped after ``reap_after_s`` without a frame. Reaping c
 answered once its copy stopped), frees its swap, and closes its
 registrations; a registration's mappings go when its last copy returned.
 
+Bounds: a user's registrations together keep at most ``max_mappings_per_user``
+memory mappings, all users at most ``max_mappings`` (below ``vm.max_map_count``,
+checked at start); a mapping keeps no descriptor (``transfer/mapping.py``).
+A registration over a cap is refused (``OVER_LIMIT``; ``EXHAUSTED`` when the
+kernel refuses the mapping) before anything is mapped. A failure to look at
+a client's process (``EMFILE``) never drops the client: it is looked at again
+at the next pass.
+
 Primitives: ``Sessions.hello(identity, msg)``, ``.register(client, msg)``,
 ``.registration(client, reg_id)``, ``.close_registration(reg)``,
 ``.release_if_idle(reg)``, ``.reap(client, why)``, ``.reap_dead()``, ``.hung_up(fd)``.
@@ -28,7 +36,7 @@ from ..pool.swap import SwapTable
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from ..transfer.layout import KVLayout
-from ..transfer.mapping import open_specs
+from ..transfer.mapping import OutOfResources, open_specs
 from ..transfer.specs import NoCudaPath, SpecError
 from .config import DaemonConfig
 from .peers import Peer
@@ -52,6 +60,7 @@ class Sessions:
         self.settings, self.index, self.swap = settings, index, swap
         self.counters, self.gpu, self.handover, self.lookup_indexes = counters, gpu, handover, lookup_indexes
         self.clients: dict[bytes, ClientState] = {}
+        self.mappings: Counter = Counter()  # uid (None: TCP) -> memory mappings its registrations hold
         self._next_client = self._next_reg = 0
 
     # ---- HELLO / BYE -------------------------------------------------------------------
@@ -110,10 +119,13 @@ class Sessions:
         if key not in self.index.namespaces and self._tenant_namespaces(client.tenant) >= config.max_namespaces_per_user:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, f"tenant {client.tenant} has {config.max_namespaces_per_user} "
                               "namespaces already (max_namespaces_per_user)")
+        self._check_mappings(client, config, max(1, len(fds)))
         try:
             tensors, dims, segments = open_specs(msg.tensors, fds, gpu_uuids=self.gpu.uuids if self.gpu else None)
         except NoCudaPath as exc:  # valid, but this daemon cannot serve it: the engine runs without kvtier
             raise DaemonError(ErrorCode.NO_GPU, str(exc)) from None
+        except OutOfResources as exc:
+            raise DaemonError(ErrorCode.EXHAUSTED, str(exc)) from None
         except SpecError as exc:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, str(exc)) from None
         device = getattr(segments[0], "gpu_device", None)  # set only on CUDA mappings
@@ -138,6 +150,7 @@ class Sessions:
         reg = Registration(self._next_reg, client, ns, layout, segments, copier,
                            max_copy_pieces=config.max_copy_pieces)
         client.regs[reg.id] = reg
+        self.mappings[client.uid] += len(segments)
         if msg.swap_quota >= 0:  # a client may lower its quota (0: no swap), never raise it past the operator's
             client.swap_quota = min(msg.swap_quota, operator_quota(config))
         log.info("client %d registered cache %d: namespace=%r block=%d bytes x %d blocks",
@@ -156,11 +169,24 @@ class Sessions:
         reg.closing = True
         self.release_if_idle(reg)
 
-    @staticmethod
-    def release_if_idle(reg: Registration) -> None:
+    def _check_mappings(self, client: ClientState, config: DaemonConfig, more: int) -> None:
+        mine, everyone = self.mappings[client.uid], sum(self.mappings.values())
+        if mine + more > config.max_mappings_per_user:
+            raise DaemonError(ErrorCode.OVER_LIMIT, f"this user's registrations hold {mine} memory mappings "
+                              f"(max_mappings_per_user {config.max_mappings_per_user}); close some first")
+        if everyone + more > config.max_mappings:
+            raise DaemonError(ErrorCode.EXHAUSTED, f"the daemon holds {everyone} memory mappings "
+                              f"(max_mappings {config.max_mappings}); try again later")
+
+    def release_if_idle(self, reg: Registration) -> None:
         """Unmap a closing registration once no copy uses it any more."""
         if not reg.closing or reg.inflight:
             return
+        if reg.segments:  # what this user's mappings count gives back
+            uid = reg.client.uid
+            self.mappings[uid] -= len(reg.segments)
+            if self.mappings[uid] <= 0:
+                del self.mappings[uid]
         reg.client.regs.pop(reg.id, None)
         reg.copier = None
         reg.layout = None  # drop every tensor view before unmapping (CUDA: closes the IPC mapping)
@@ -192,7 +218,12 @@ class Sessions:
         now, limit = time.monotonic(), self.settings().reap_after_s
         for c in list(self.clients.values()):
             try:
-                if not c.process_alive():
+                alive = c.process_alive()
+            except OSError as exc:  # EMFILE and friends: cannot tell now; look again next pass
+                log.warning("cannot check client %d's process (%s); checking again later", c.id, exc)
+                continue
+            try:
+                if not alive:
                     self.reap(c, "process exited")
                 elif c.hung_up:
                     self.reap(c, "connection closed")

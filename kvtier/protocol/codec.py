@@ -6,8 +6,15 @@ client, and ``body`` a map of field name -> value. Unknown body keys are
 ignored (forward compatibility); missing required keys and wrong types raise
 ``ProtocolError(BAD_MESSAGE)``; an unknown tag raises ``UNKNOWN_OP``.
 
+Sizes are checked before anything is copied or decoded (``check_size``):
+the frame against ``max_message``, then a large frame against its op's own
+bound (``messages.FRAME_BOUNDS``), read from the frame's first bytes
+(``peek``). A 16 MiB lookup used to be copied and decoded whole (~10 ms of
+the daemon's loop each) before its hash count was refused.
+
 Primitives: ``encode(msg, request_id) -> bytes``,
-``decode(frame) -> (request_id, msg)``, ``error_reply(exc) -> Error``.
+``decode(frame) -> (request_id, msg)``, ``check_size(frame, max_bytes)``,
+``peek(frame) -> (tag, request_id) | None``, ``error_reply(exc) -> Error``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 import msgpack
 
 from .errors import ErrorCode, ProtocolError
-from .messages import MAX_MESSAGE_BYTES, TABLE, Error, as_wire_dict
+from .messages import FRAME_BOUNDS, MAX_MESSAGE_BYTES, TABLE, Error, as_wire_dict
 
 # Annotation string -> accepted Python types after msgpack decoding.
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -26,6 +33,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "float": (float, int), "list": (list,), "dict": (dict,),
 }
 _U64 = (1 << 64) - 1
+PEEK_BYTES = 64          # array header + a tag (<= 32 chars) + a uint64 request id fit in this
+PEEK_ABOVE = min(FRAME_BOUNDS.values())  # smaller frames are within every op's bound: no peek
 
 
 def encode(msg: Any, request_id: int) -> bytes:
@@ -37,10 +46,37 @@ def encode(msg: Any, request_id: int) -> bytes:
     return msgpack.packb([tag, request_id, as_wire_dict(msg)], use_bin_type=True)
 
 
+def check_size(frame, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    """TOO_LARGE for a frame over ``max_bytes`` (request id 0) or over its op's
+    bound (with the request id); reads at most ``PEEK_BYTES`` of it."""
+    n = len(frame)
+    if n > max_bytes:
+        raise _err(ErrorCode.TOO_LARGE, f"frame of {n} bytes exceeds {max_bytes}")
+    if n > PEEK_ABOVE:
+        head = peek(frame)
+        bound = FRAME_BOUNDS.get(head[0]) if head is not None else None
+        if bound is not None and n > bound:
+            raise _err(ErrorCode.TOO_LARGE, f"a {head[0]!r} frame is at most {bound} bytes, got {n}", head[1])
+
+
+def peek(frame) -> tuple[str, int] | None:
+    """(tag, request_id) from the first bytes of a frame, or None when they do
+    not read as ``[str, uint64, ...`` (the full decode then says what is wrong)."""
+    try:
+        u = msgpack.Unpacker(raw=False)
+        u.feed(bytes(memoryview(frame)[:PEEK_BYTES]))
+        if u.read_array_header() != 3:
+            return None
+        tag, request_id = u.unpack(), u.unpack()
+    except Exception:  # msgpack raises several unrelated types (OutOfData for a long tag)
+        return None
+    return (tag, request_id) if isinstance(tag, str) and _is_u64(request_id) else None
+
+
 def decode(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[int, Any]:
-    """Decode one frame. Raises ProtocolError carrying ``request_id`` (0 if unknown)."""
-    if len(frame) > max_bytes:
-        raise _err(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes exceeds {max_bytes}")
+    """Decode one frame (bytes or any buffer). Raises ProtocolError carrying
+    ``request_id`` (0 if unknown)."""
+    check_size(frame, max_bytes)
     try:
         obj = msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types

@@ -224,6 +224,19 @@ class Error:
     TAG: ClassVar[str]
 
 
+KiB = 1024
+FRAME_BOUNDS: dict[str, int] = {
+    # The largest frame each request can be while still valid, checked on the
+    # frame's length before it is decoded (st, ld, off and reg carry block id
+    # arrays bounded by daemon config: only max_message bounds them). A lookup
+    # holds at most 65,536 16-byte hashes; lkm as many over <= 4,096 chains;
+    # rst at most 262,144 bytes of ids; the rest are a few fields.
+    "lk": 1024 * KiB + 4 * KiB, "lkm": 1024 * KiB + 64 * KiB, "rst": 256 * KiB + 4 * KiB,
+    "hi": 64 * KiB, "unreg": 64 * KiB, "disc": 64 * KiB, "stat": 64 * KiB, "flush": 64 * KiB,
+    "ping": 64 * KiB, "bye": 64 * KiB, "cancel": 64 * KiB,
+}
+"""Per-op frame bounds (bytes); ops not listed are bounded by ``max_message`` alone."""
+
 REQUESTS: frozenset[type] = frozenset({
     Hello, Register, Unregister, Lookup, LookupMany, Store, Load, Offload, Restore, Discard, Stats, Flush,
     Ping, Bye, Cancel})

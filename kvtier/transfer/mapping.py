@@ -7,22 +7,31 @@ as file descriptors (``fd``: checked for seals and size first, see
 arrives, so CPU daemons never load CUDA code). The returned mappings own the
 memory: dropping them, with every tensor view, unmaps it.
 
-Primitives: ``open_specs(specs, fds, max_tensors, gpu_uuids)``, ``FdMapping``, ``open_cuda_specs``,
-``check_cuda_spec``, ``device_index``, ``local_uuids``, ``CudaMapping``.
+Primitives: ``open_specs(specs, fds, max_tensors, gpu_uuids)``, ``FdMapping``, ``OutOfResources``,
+``open_cuda_specs``, ``check_cuda_spec``, ``device_index``, ``local_uuids``, ``CudaMapping``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import mmap
 import os
 import stat
+import weakref
 
 import torch
 
 from .specs import NoCudaPath, SpecError, check_geometry, extent_bytes, is_int, normalize_uuid
 
 MAX_HANDLE = 4096  # bytes; a CUDA IPC handle is 64, torch adds a little framing
+RESOURCE_ERRNOS = (errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN)
+
+
+class OutOfResources(SpecError):
+    """The daemon could not map valid memory: out of memory mappings
+    (``vm.max_map_count``) or memory. Not the request's fault."""
 
 
 def open_specs(specs: list, fds: list[int] = (), max_tensors: int = 4096,
@@ -83,8 +92,14 @@ class FdMapping:
     Mapped only if it cannot hurt the daemon: a sealed shared-memory file
     (``F_SEAL_SHRINK``: nobody can truncate it, so no access past its end
     can fault) whose pages are all allocated already (reading a sparse file
-    would allocate pages charged to the daemon). ``close`` refuses
-    (BufferError) while tensor views are alive, like ``ShmSegment``."""
+    would allocate pages charged to the daemon).
+
+    The mapping keeps no descriptor: Python's ``mmap`` holds a ``dup()`` of
+    its file for its whole life, which made every mapped hand-over cost the
+    daemon descriptors until one user exhausted them. Here ``mmap(2)`` is
+    called directly and the memory is exposed as a ctypes array; tensors
+    built on it keep the array alive, and the last reference to go unmaps
+    (``close`` only drops this object's, so it never unmaps under a view)."""
 
     def __init__(self, fd: int, what: str):
         try:
@@ -101,10 +116,7 @@ class FdMapping:
         if st.st_blocks * 512 < st.st_size:
             raise SpecError(f"{what}: memory is sparse ({st.st_blocks * 512} of {st.st_size} bytes "
                             "allocated); allocate it fully (posix_fallocate) before handing it over")
-        try:
-            self._mmap = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError) as exc:  # e.g. a read-only descriptor
-            raise SpecError(f"{what}: cannot map the memory: {exc}") from None
+        self._mmap = map_shared(fd, st.st_size, what)
         self.size = st.st_size
         self.name = f"fd memory ({st.st_size} bytes, inode {st.st_ino})"
 
@@ -113,9 +125,28 @@ class FdMapping:
         return self._mmap
 
     def close(self, unlink: bool = False) -> None:
-        if self._mmap is not None:
-            self._mmap.close()  # BufferError while views are alive: nothing is unmapped then
-            self._mmap = None
+        self._mmap = None  # unmapped once the last tensor view is gone too
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared(fd: int, size: int, what: str) -> ctypes.Array:
+    """``size`` bytes of ``fd`` mapped shared read/write, as a ctypes array
+    that unmaps itself when the last reference to it dies; no descriptor kept."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        if err in RESOURCE_ERRNOS:  # the daemon's limits, not the request's fault
+            raise OutOfResources(f"{what}: cannot map the memory: {os.strerror(err)}")
+        raise SpecError(f"{what}: cannot map the memory: {os.strerror(err)}")  # e.g. a read-only descriptor
+    array = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(array, _libc.munmap, addr, size)
+    return array
 
 
 MAX_MAPPING = 1 << 42
