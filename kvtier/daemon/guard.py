@@ -21,7 +21,7 @@ that, and the process's exit, is how a local client's session ends.
 
 Primitives: ``ConnectionGuard(router, path, settings)``, ``.fd`` (poll it),
 ``.on_events()``, ``.on_closed``, ``.hello(fd)``, ``.expire(now)``, ``.close()``,
-``fd_headroom(config)``, ``map_headroom(config)``.
+``fd_headroom(config)``, ``map_headroom(config)``, ``fd_need(config)``, ``map_need(config)``.
 """
 
 from __future__ import annotations
@@ -66,12 +66,22 @@ def fd_headroom(config: DaemonConfig) -> int:
             soft = hard
         except (ValueError, OSError):
             pass
-    need = config.max_connections + MAX_PENDING + MAX_TICKETS * MAX_FDS + BASE_FDS
+    need = fd_need(config)
     if soft != resource.RLIM_INFINITY and soft < need:
         raise ValueError(f"the descriptor limit ({soft}) cannot hold max_connections "
                          f"({config.max_connections}) plus hand-overs; need {need}: raise LimitNOFILE "
                          "or lower max_connections")
     return soft
+
+
+def fd_need(config: DaemonConfig) -> int:
+    """Descriptors the daemon may hold with every cap reached (mappings hold none)."""
+    return config.max_connections + MAX_PENDING + MAX_TICKETS * MAX_FDS + BASE_FDS
+
+
+def map_need(config: DaemonConfig) -> int:
+    """Memory mappings the daemon may hold with every cap reached."""
+    return config.max_mappings + (MAX_NAMESPACES if config.lookup_index else 0) + BASE_MAPPINGS
 
 
 def map_headroom(config: DaemonConfig, path: str = MAX_MAP_COUNT) -> int:
@@ -83,7 +93,7 @@ def map_headroom(config: DaemonConfig, path: str = MAX_MAP_COUNT) -> int:
             limit = int(f.read())
     except (OSError, ValueError):
         return 0  # not Linux, or hidden: nothing to check against
-    need = config.max_mappings + (MAX_NAMESPACES if config.lookup_index else 0) + BASE_MAPPINGS
+    need = map_need(config)
     if limit < need:
         raise ValueError(f"vm.max_map_count ({limit}) cannot hold max_mappings ({config.max_mappings}) plus the "
                          f"daemon's own; need {need}: raise vm.max_map_count or lower max_mappings")

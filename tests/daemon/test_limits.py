@@ -93,3 +93,31 @@ def test_lookup_mirrors_go_with_their_namespace_and_stay_within_their_budget(dae
         assert s["enabled"] and s["tables"] == 0 and s["bytes"] == 0
     kv.close()
     assert serves_a_good_client(d)
+
+
+def test_a_mapping_cap_the_kernel_cannot_hold_is_refused_at_start(tmp_path):
+    """Past vm.max_map_count every mmap fails, torch's and Python's too: the
+    daemon refuses to start when max_mappings plus its own would not fit."""
+    from kvtier.daemon.config import DaemonConfig
+    from kvtier.daemon.guard import map_headroom
+    limit = tmp_path / "max_map_count"
+    limit.write_text("65530\n")  # the kernel's default
+    assert map_headroom(DaemonConfig(socket=str(tmp_path / "s")), str(limit)) == 65530
+    with pytest.raises(ValueError, match="vm.max_map_count"):
+        map_headroom(DaemonConfig(socket=str(tmp_path / "s"), max_mappings=60000), str(limit))
+
+
+def test_the_shipped_unit_and_the_kernel_default_hold_every_cap_at_once():
+    """With every per-user and total cap reached (the shipped config, mirrors
+    on), the daemon's descriptors fit the unit's LimitNOFILE and its mappings
+    the kernel's default vm.max_map_count."""
+    import re
+    from kvtier.daemon.config import DaemonConfig
+    from kvtier.daemon.guard import fd_need, map_need
+    from tests.conftest import REPO
+    with open(os.path.join(REPO, "daemon", "kvtier-daemon.service")) as f:
+        nofile = int(re.search(r"^LimitNOFILE=(\d+)", f.read(), re.M).group(1))
+    config = DaemonConfig(socket="/run/kvtier/kvtier.sock", lookup_index=True)
+    print(f"\nall caps reached: {fd_need(config)} descriptors (LimitNOFILE {nofile}), "
+          f"{map_need(config)} mappings (vm.max_map_count 65530)")
+    assert fd_need(config) < nofile and map_need(config) < 65530
