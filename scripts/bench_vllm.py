@@ -188,6 +188,8 @@ def one_block(args, eng: dict, prompts: Prompts, stored: list, times: dict, run:
         stored.append(p)
         for n, s in got.items():
             times.setdefault(f"{n}/miss-row", []).append(s)
+    settle(eng["tier"], args.socket, prompts)
+    before = eng["tier"].call("metrics").get("vllm:external_prefix_cache_hits", 0)
     for i in range(args.prompts):
         p, hit = prompts.new(), stored.pop(0)
         for e in (eng["alone"], eng["tier"]):
@@ -195,6 +197,25 @@ def one_block(args, eng: dict, prompts: Prompts, stored: list, times: dict, run:
         got = interleave(i + run, [("alone", lambda: eng["alone"].ttft(p)), ("tier", lambda: eng["tier"].ttft(hit))])
         times.setdefault("alone/hit-row", []).append(got["alone"])
         times.setdefault("tier/hit-row", []).append(got["tier"])
+    hits = eng["tier"].call("metrics").get("vllm:external_prefix_cache_hits", 0) - before
+    times.setdefault("hit_tokens", []).append(hits / (args.prompts * len(p)))
+
+
+def settle(tier: Engine, socket: str, prompts: Prompts, timeout: float = 120) -> None:
+    """Untimed: let the miss rows' stores reach the pool before the hit row asks for them.
+    vLLM hands a finished request's stores to the worker at its next step, so one short
+    request goes first; then wait until the daemon writes nothing and holds no transfer."""
+    from kvtier.client import Client
+    tier.ttft(prompts.new(40))
+    deadline = time.monotonic() + timeout
+    with Client(socket, name="bench-settle") as c:
+        while time.monotonic() < deadline:
+            st = c.stats()
+            if not any(n["writing"] for n in st["namespaces"]) and not any(
+                    x["inflight"] for x in st["clients"] if x["name"] != "bench-settle"):
+                return
+            time.sleep(0.05)
+    print("  warning: the daemon was still storing after 120 s; hit rows may miss", flush=True)
 
 
 def throughput(args, eng: dict, names: tuple, prompts: Prompts, rows: dict, run: int) -> None:
@@ -243,7 +264,7 @@ def main(argv=None) -> int:
     prompt_len = args.prefix_tokens + args.suffix_tokens
     with tempfile.TemporaryDirectory() as tmp:
         model = ex.make_tiny_llama(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden)
-        socket = os.path.join(tmp, "kvtier.sock")
+        socket = args.socket = os.path.join(tmp, "kvtier.sock")
         daemon = start_daemon(socket, "2GiB", env=ex.engine_env())
         specs = {"alone": [], "tier": ["--kvtier", "--socket", socket],
                  "nodaemon": ["--kvtier", "--socket", os.path.join(tmp, "absent.sock")]}
@@ -272,6 +293,8 @@ def measure(args, eng: dict, daemon, neighbours: list[str], prompt_len: int) -> 
           flush=True)
     for n in timed:
         print(f"  {n:9s} compute threads {compute_threads(eng[n])}", flush=True)
+    common = {k: v for k, v in eng["alone"].ready["settings"].items() if k not in SETTINGS_NOT_COMPARED}
+    print(f"  resolved settings (alone; the others equal but for the diff below): {json.dumps(common)}")
     print("  resolved settings that differ (alone / tier / nodaemon):" + ("" if diff else " none"))
     for k, vals in diff:
         print(f"    {k}: " + " / ".join(json.dumps(v) for v in vals))
@@ -354,9 +377,11 @@ def report(args, eng, blocks, tp_blocks, loads, killed, tp_kill, diff, prompt_le
                          " ".join(f"{a / b:.2f}" for a, b in zip(tp[n], tp["alone"]))])
         title = (f"neighbour: {nb} (load average {loads[nb][0]:.1f} -> {loads[nb][1]:.1f}); {args.runs} runs x "
                  f"{args.prompts} prompts of {prompt_len} tokens; throughput ratio = tokens/s vs alone "
-                 f"({median(tp['alone']):.0f} tok/s alone)")
+                 f"({median(tp['alone']):.0f} tok/s alone); the hit row's prompt tokens vLLM counted as kvtier "
+                 f"hits: {' '.join(f'{h:.0%}' for h in times['hit_tokens'])} per run")
         tables.append(table(headers, rows, title))
         out["blocks"][nb] = {"load": loads[nb], "rows": [dict(zip(headers, r)) for r in rows],
+                             "hit_token_share": times["hit_tokens"],
                              "ttft_s": times, "throughput_tok_s": tp}
     if killed:
         rows = [stat_row("daemon killed mid-run", killed["alone"], killed["tier"], [])]
