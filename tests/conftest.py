@@ -106,7 +106,7 @@ class DaemonProc(DaemonHandle):
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
         self._wait_ready()
 
-    def _wait_ready(self, timeout=30.0):
+    def _wait_ready(self, timeout=120.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
