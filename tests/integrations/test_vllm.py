@@ -2,7 +2,8 @@
 
 One module-scoped run, because each engine start costs ~25-60 s here: a
 reference engine without kvtier; engine A with kvtier (stores the prefixes);
-an engine whose namespace differs (float32 instead of bfloat16); engine B
+an engine whose namespace differs (float32 instead of bfloat16); an engine
+with kvtier configured and no daemon at its socket; engine B
 with kvtier, which pauses halfway so the test can read ``kvtier status`` and
 then SIGKILL the daemon before B answers the rest.
 """
@@ -53,6 +54,7 @@ def runs(tmp_path_factory):
         out = {"ref": run(socket=None, kvtier=False)}
         out["a"] = run(socket=daemon.socket)
         out["other"] = run(socket=daemon.socket, dtype="float32")
+        out["no_daemon"] = run(socket=str(tmp / "absent.sock"))  # kvtier configured, nobody at the socket
         out["status_after_other"] = daemon.stats()
         out["b"], out["status_mid_b"] = _engine_b_with_daemon_killed(ex, model, str(prompts), daemon, tmp)
         yield out
@@ -103,6 +105,15 @@ def test_engine_a_with_kvtier_answers_like_vllm_alone_and_offloads_every_full_ch
     assert runs["a"]["metrics"]["vllm:kv_offload_store_bytes"] > 0
     ns = _ns(runs["status_after_other"], "bfloat16")
     assert ns["blocks"] >= 2 * (PREFIX_TOKENS // 32)
+
+
+def test_an_engine_with_no_daemon_at_its_socket_answers_like_vllm_alone(runs):
+    """No daemon: the engine starts and serves as if kvtier were absent - no
+    load, no store, the reference's tokens."""
+    nd = runs["no_daemon"]
+    assert nd["tokens"] == runs["ref"]["tokens"]
+    assert nd["metrics"].get("vllm:kv_offload_load_bytes", 0) == 0
+    assert nd["metrics"].get("vllm:external_prefix_cache_hits", 0) == 0
 
 
 def test_engine_b_loads_the_prefix_from_kvtier_and_answers_identically(runs):
