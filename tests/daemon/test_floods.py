@@ -64,10 +64,11 @@ class Attack:
         assert line, self.p.stderr.read()[-3000:]
         self.report = json.loads(line)
 
-    def end(self) -> list[dict]:
+    def end(self, must_exit_cleanly: bool = True) -> list[dict]:
         out, err = self.p.communicate("done\n", timeout=300)
-        assert self.p.returncode == 0, err[-3000:]
-        return [json.loads(x) for x in out.splitlines()]
+        if must_exit_cleanly:
+            assert self.p.returncode == 0, err[-3000:]
+        return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
 
 
 def held(d: DaemonProc) -> dict:
@@ -166,7 +167,11 @@ def test_a_flood_of_million_hash_lookups_is_refused_before_decoding(shared):
         assert serves_a_good_client(d)
         grown = (held(d)["rss"] - before["rss"]) / MiB
     finally:
-        sent = attack.end()[-1]
+        # The attacker's own libzmq may abort under its flood of 16 MiB zero-copy
+        # sends (signaler.cpp assertion, seen once in CI); what is under test is
+        # the daemon, so its last report is printed when there is one.
+        reports = attack.end(must_exit_cleanly=False)
+        sent = reports[-1] if reports else "attacker gave no final report"
     times.sort()
     print(f"\n1M-hash lookup flood ({sent}): good lookup p50 {times[100] * 1e3:.2f} ms; daemon RSS +{grown:.0f} MiB")
     assert grown < 64 * 16 + 256  # at most max_queued_frames 16 MiB frames, plus slack
