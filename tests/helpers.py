@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import time
+from typing import Callable, Iterable
 
 import torch
 
@@ -54,3 +56,14 @@ def _wrap(target, q, args):
         import traceback
         q.put(("error", traceback.format_exc()))
         raise SystemExit(1) from exc
+
+
+def until_finished(poll: Callable[[], Iterable], job_ids: set[int], timeout: float = 30.0) -> dict:
+    """Call ``poll`` (an engine's finished()/get_finished()) until every job in
+    ``job_ids`` reported, as an engine's step loop does: job id -> its result."""
+    got, deadline = {}, time.monotonic() + timeout
+    while set(got) != job_ids:
+        assert time.monotonic() < deadline, f"jobs {job_ids - set(got)} never finished"
+        got.update((r.job_id, r) for r in poll())
+        time.sleep(0.005)
+    return got

@@ -194,10 +194,11 @@ class CopyRunner:
             if check and not failed:
                 self.journal.verified(check, op.bad)
             reply = op.finish(failed)
-            if not failed and self.journal is not None and isinstance(op, StoreOp):
-                self.journal.committed(op.plan, op.crcs)  # bytes in the pool, entries READY: now kept
-            if not failed and self.on_commit is not None and isinstance(op, StoreOp):
-                self.on_commit(op.plan)
+            if not failed and isinstance(op, StoreOp):
+                if self.journal is not None:
+                    self.journal.committed(op.plan, op.crcs)  # bytes in the pool, entries READY: now kept
+                if self.on_commit is not None:
+                    self.on_commit(op.plan)
             if op.cancelled.is_set():
                 self.counters["cancelled"] += 1
                 log.info("%s for client %d cancelled (%s): nothing committed", op.label, op.client.id,

@@ -58,8 +58,7 @@ from .lookup_index import LookupIndexes
 from .requests import RequestHandlers
 from .sessions import Sessions
 from .stats import daemon_stats
-from .tenancy import cluster_names
-from .tenancy import split_key
+from .tenancy import cluster_names, split_key
 from .warm import WarmPool, discard_kept
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]

@@ -37,6 +37,7 @@ import zmq  # noqa: E402
 from kvtier.client.handover import hand_over  # noqa: E402
 from kvtier.protocol import decode, encode, pack_ids  # noqa: E402
 from kvtier.protocol import messages as m  # noqa: E402
+from tests.privileges import drop_to  # noqa: E402
 
 MAX_MESSAGE = 16 * 2**20
 
@@ -194,17 +195,10 @@ def lookups(path: str, window: int) -> None:
     say(step="answered", sent=sent, answered=answered)
 
 
-def become(uid: int) -> None:
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    assert os.getresuid() == (uid, uid, uid)
-
-
 if __name__ == "__main__":
     role, path = sys.argv[1], sys.argv[2]
     if len(sys.argv) > 3 and sys.argv[3] != "-":
-        become(int(sys.argv[3]))
+        drop_to(int(sys.argv[3]))
     n = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     {"registrations": registrations, "transfers": transfers, "handovers": handovers,
      "lookups": lookups}[role](path, n)

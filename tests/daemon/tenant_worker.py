@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from kvtier.client import Client, KVTierError  # noqa: E402
 from kvtier.protocol import messages as m  # noqa: E402
 from tests.helpers import NS, block_bytes, make_kv  # noqa: E402
+from tests.privileges import drop_to  # noqa: E402
 
 VICTIM_HASHES = [bytes([0x5A, i]) * 8 for i in range(4)]
 VICTIM_SEED, FORGED_SEED = 1234, 666
@@ -119,10 +120,7 @@ def become(uid: int) -> None:
     import zmq  # noqa: F401
     from kvtier.client import handover  # noqa: F401
     from kvtier.transfer import shm  # noqa: F401
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    assert os.getresuid() == (uid, uid, uid)
+    drop_to(uid)
 
 
 if __name__ == "__main__":

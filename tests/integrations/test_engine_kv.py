@@ -12,13 +12,12 @@ padding must never be touched.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from kvtier.client import Client, Namespace, block_hashes
 from kvtier.integrations.engine_kv import EngineKV, kv_device
+from tests.helpers import until_finished
 
 LAYERS, BLOCKS, PAGE, PAD, K = 3, 24, 4096, 512, 2
 NS = Namespace("engine-kv-test", "uint8", "vllm-canonical", 16 * K)
@@ -48,12 +47,7 @@ def blocks(tensors, ids) -> list[bytes]:
 
 def poll(engine: EngineKV, job_ids: set[int], timeout: float = 30.0) -> dict:
     """``finished`` until every job in ``job_ids`` reported (as the worker's get_finished loop)."""
-    got, deadline = {}, time.monotonic() + timeout
-    while set(got) != job_ids:
-        assert time.monotonic() < deadline, f"jobs {job_ids - set(got)} never finished"
-        got.update((f.job_id, f) for f in engine.finished())
-        time.sleep(0.005)
-    return got
+    return until_finished(engine.finished, job_ids, timeout)
 
 
 def start_daemon(daemon_factory, device: str, env=None):

@@ -10,8 +10,6 @@ full-engine runs are in ``test_vllm.py``.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not i
 from kvtier.client import Namespace, block_hashes  # noqa: E402
 from kvtier.integrations.vllm.manager import KVTierSpecs  # noqa: E402
 from kvtier.integrations.vllm.worker import KVTierWorker  # noqa: E402
+from tests.helpers import until_finished  # noqa: E402
 
 LAYERS, BLOCKS, PAGE, PADDED, K = 2, 16, 2048, 2304, 2
 NS = Namespace("vllm-worker-test", "bfloat16", "vllm-NHD", 16 * K)
@@ -40,12 +39,7 @@ def gpu_spec(ids: list[int], first_index: int = 0):
 
 
 def finished(worker: KVTierWorker, jobs: set[int], timeout: float = 30.0) -> dict:
-    got, deadline = {}, time.monotonic() + timeout
-    while set(got) != jobs:
-        assert time.monotonic() < deadline, f"jobs {jobs - set(got)} never finished"
-        got.update((r.job_id, r) for r in worker.get_finished())
-        time.sleep(0.005)
-    return got
+    return until_finished(worker.get_finished, jobs, timeout)
 
 
 @pytest.fixture
