@@ -102,6 +102,7 @@ def render_status(s: dict) -> str:
         f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
         f"loads {t['loaded']} blocks ({format_size(t['load_bytes'])})",
+        *_disk(s.get("disk", {})),
         *_remote(s.get("remote", {})),
         *_warm(s.get("warm_restart", {})),
         "", f"{'NAMESPACE':<48} {'BLOCK':>10} {'BLOCKS':>8} {'BYTES':>12} {'HITS':>8} {'MISSES':>8}",
@@ -139,6 +140,19 @@ def render_namespaces(rows: list[dict]) -> str:
                      f"{n['blocks']:>8} {format_size(n['bytes']):>12} {n['hits']:>9} {n['misses']:>9} "
                      f"{hit:>6} {n['stored']:>9} {n['loaded']:>9} {n['evicted']:>9}")
     return "\n".join(lines)
+
+
+def _disk(d: dict) -> list[str]:
+    """The disk tier's line, on daemons that have one."""
+    if not d.get("enabled"):
+        return []
+    failed = d["enospc"] + d["eio"] + d["errors"] + d["read_errors"]
+    return [f"disk      {d['path']} {format_size(d['used_bytes'])} of {format_size(d['capacity_bytes'])}, "
+            f"{d['blocks']} blocks{' (scanning)' if d['scanning'] else ''}  "
+            f"written {d['written']} ({format_size(d['written_bytes'])})  read {d['read']} "
+            f"({format_size(d['read_bytes'])})  dropped {d['dropped']}  rejected {d['rejected'] + d['scan_rejected']}  "
+            f"timed out {d['timed_out']}  I/O errors {failed}"
+            + (f" (ENOSPC {d['enospc']})" if d["enospc"] else "")]
 
 
 def _remote(r: dict) -> list[str]:

@@ -21,7 +21,7 @@ from ..protocol.messages import MAX_MESSAGE_BYTES
 
 DEFAULT_CONFIG_FILE = "/etc/kvtier/kvtier.toml"
 SIZE_KEYS = {"pool_size", "slab_size", "max_message", "swap_quota", "inline_copy_bytes", "pin_chunk",
-             "copy_chunk_bytes", "remote_budget", "remote_queue"}
+             "copy_chunk_bytes", "remote_budget", "remote_queue", "disk_size"}
 MOVED = {  # keys that no longer exist, and where their value belongs now
     "remote_password": "moved to remote_secret_file (password = \"...\"): the config is readable by every "
                        "engine user",
@@ -73,6 +73,10 @@ class DaemonConfig:
     remote_budget: int = 0          # bytes this node may write per remote_ttl_s; 0 = no cap
     remote_queue: int = 256 * 2**20 # write-behind bytes in flight (capped at pool_size / 4)
     remote_timeout_s: float = 0.5   # per remote round trip; then the lookup/load goes on locally
+    disk_path: str = ""             # disk tier: a directory of the daemon's user for blocks beyond RAM; "" = off
+    disk_size: int = 0              # bytes the disk tier may fill (required with disk_path); oldest dropped first
+    disk_threads: int = 2           # I/O threads of the disk tier (BENCHMARKS.md, disk tier)
+    disk_timeout_s: float = 1.0     # a load waits this long for disk reads, then goes on without them
     tenants: str = ""               # users who share a cache: "team-a:alice,bob,1003; team-b:carol"
     admin_group: str = ""           # group (name or gid) whose members may flush/see every tenant
     max_connections: int = 256      # ZeroMQ connections at once (all users); more are closed
@@ -175,6 +179,12 @@ class DaemonConfig:
             bad("remote_ttl_s", "must be > 0 and at most a year")
         if not 0 < self.remote_timeout_s <= 60:
             bad("remote_timeout_s", "must be in (0, 60]")
+        if self.disk_path and (not isinstance(self.disk_size, int) or self.disk_size < 2**20):
+            bad("disk_size", "must be a size of at least 1MiB when disk_path is set")
+        if not 1 <= self.disk_threads <= 64:
+            bad("disk_threads", "must be in [1, 64]")
+        if not 0 < self.disk_timeout_s <= 60:
+            bad("disk_timeout_s", "must be in (0, 60]")
         for key in ("remote_budget", "remote_queue"):
             if getattr(self, key) < 0:
                 bad(key, "must be >= 0")

@@ -43,7 +43,8 @@ POOL_GAUGES = (  # stats key under "pool", metric name, help
 )
 NAMESPACE_COUNTERS = (  # stats key per namespace, metric name, help
     ("lookups", "lookups", "Lookup calls."),
-    ("hits", "hits", "Blocks found by lookups (longest ready prefix)."),
+    ("hits", "hits", "Blocks found by lookups (longest ready prefix, disk tier included)."),
+    ("disk_hits", "disk_hits", "Of those, blocks found in the disk tier after the RAM prefix ended."),
     ("misses", "misses", "Blocks looked up and not found."),
     ("stored", "blocks_stored", "Blocks committed by stores."),
     ("loaded", "blocks_loaded", "Blocks copied out by loads."),
@@ -70,6 +71,22 @@ REMOTE_COUNTERS = (  # stats key under "remote", metric name, help
 )
 
 
+DISK_COUNTERS = (  # stats key under "disk", metric name, help
+    ("written", "disk_blocks_written", "Blocks written to the disk tier."),
+    ("written_bytes", "disk_written_bytes", "Bytes written to the disk tier (payload)."),
+    ("read", "disk_blocks_read", "Blocks read back from the disk tier and verified."),
+    ("read_bytes", "disk_read_bytes", "Bytes read back from the disk tier."),
+    ("dropped", "disk_blocks_dropped", "Disk blocks dropped, oldest first, to stay within disk_size."),
+    ("rejected", "disk_blocks_rejected", "Disk files that failed verification at read (deleted)."),
+    ("scan_rejected", "disk_files_rejected_at_start", "Files the start-up scan deleted (torn, foreign, not ours)."),
+    ("enospc", "disk_enospc", "Writes that found the disk full."),
+    ("eio", "disk_eio", "Disk operations that failed with EIO or EROFS."),
+    ("timed_out", "disk_load_timeouts", "Blocks whose read missed disk_timeout_s (the load went on without them)."),
+    ("fail_fast", "disk_fail_fast", "Blocks not read because a read was stuck on the disk."),
+    ("queue_full", "disk_queue_full", "Committed blocks not written (write-behind queue full)."),
+)
+
+
 class SnapshotCollector:
     """A custom collector over ``get_snapshot()``; no state of its own."""
 
@@ -88,6 +105,7 @@ class SnapshotCollector:
         yield from self._traffic(s)
         yield from self._latency(s.get("latency", {}))
         yield from self._remote(s.get("remote", {}))  # remote tier hook
+        yield from self._disk(s.get("disk", {}))  # disk tier hook
 
     @staticmethod
     def _pool(s):
@@ -159,6 +177,23 @@ class SnapshotCollector:
                                 value=r["queued_bytes"])
         for key, name, doc in REMOTE_COUNTERS:
             yield CounterMetricFamily("kvtier_" + name, doc, value=r[key])
+
+
+    @staticmethod
+    def _disk(d):
+        if not d.get("enabled"):
+            return
+        yield GaugeMetricFamily("kvtier_disk_used_bytes", "Bytes of block files in the disk tier.",
+                                value=d["used_bytes"])
+        yield GaugeMetricFamily("kvtier_disk_capacity_bytes", "disk_size.", value=d["capacity_bytes"])
+        yield GaugeMetricFamily("kvtier_disk_blocks", "Blocks in the disk tier.", value=d["blocks"])
+        per = GaugeMetricFamily("kvtier_disk_namespace_bytes", "Disk tier bytes per namespace.",
+                                labels=["namespace", "tenant"])
+        for n in d["namespaces"]:
+            per.add_metric([n["fingerprint"], n.get("tenant", "")], n["bytes"])
+        yield per
+        for key, name, doc in DISK_COUNTERS:
+            yield CounterMetricFamily("kvtier_" + name, doc, value=d[key])
 
 
 class MetricsServer:

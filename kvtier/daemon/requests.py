@@ -40,6 +40,7 @@ class RequestHandlers:
         self.sessions, self.copies, self.index, self.swap = sessions, copies, index, swap
         self.stats = stats
         self.remote = remote  # RemoteBridge, or None
+        self.disk = None      # DiskBridge, or None
         self.table: dict[type, Callable] = {
             m.Hello: self.hello, m.Ping: self.ping, m.Bye: self.bye,
             m.Register: self.register, m.Unregister: self.unregister,
@@ -97,14 +98,18 @@ class RequestHandlers:
     def load(self, client: ClientState, msg: m.Load, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
         self.copies.admit(client)
-        if self.remote is not None and not msg.prefix and self.remote_fetch(reg, msg, identity, req_id):
-            return None  # the load runs again here once the fetched blocks are in the pool
+        if (self.disk is not None or self.remote is not None and not msg.prefix) and \
+                self.tier_fetch(reg, msg, identity, req_id):
+            return None  # the load runs again here once the blocks read or fetched are in the pool
         return self._run(LoadOp.prepare(self.index, client, reg, req_id, msg))
 
-    def remote_fetch(self, reg, msg: m.Load, identity: bytes, req_id: int) -> bool:
+    def tier_fetch(self, reg, msg: m.Load, identity: bytes, req_id: int) -> bool:
+        """Blocks the pool lacks come from the disk tier first, then the remote tier."""
         keys = check_keys(msg.hashes)
-        LoadOp.check(reg, msg, keys)  # a bad request is refused before anything is fetched
-        return self.remote.load(identity, req_id, msg, reg.ns, keys)
+        LoadOp.check(reg, msg, keys)  # a bad request is refused before anything is read or fetched
+        if self.disk is not None and self.disk.load(identity, req_id, msg, reg.ns, keys):  # disk tier hook
+            return True
+        return self.remote is not None and not msg.prefix and self.remote.load(identity, req_id, msg, reg.ns, keys)
 
     def offload(self, client: ClientState, msg: m.Offload, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
@@ -139,6 +144,8 @@ class RequestHandlers:
         op = client.ops.get(msg.request)
         if op is not None:
             op.cancel("cancelled by the client")  # stops at its next chunk, then answered
+        elif self.disk is not None and self.disk.cancel(identity, msg.request):
+            pass  # a load whose blocks were still being read: answered now
         elif self.remote is not None:
             self.remote.cancel(identity, msg.request)  # a load whose blocks are still being fetched
         return m.Ok()
@@ -150,8 +157,10 @@ class RequestHandlers:
             try:
                 self.index.check_integrity()
                 self.swap.check_integrity()
+                if self.disk is not None:
+                    self.disk.check_integrity()
                 stats["integrity"] = "ok"
-            except IntegrityError as exc:
+            except (IntegrityError, AssertionError) as exc:
                 log.error("integrity check failed: %s", exc)
                 stats["integrity"] = str(exc)
         return m.StatsReply(stats)

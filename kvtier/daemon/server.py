@@ -8,6 +8,7 @@ Parts (each in its own module, each given what it needs):
   Dispatcher       the one dispatch point               (dispatch.py)
   RequestHandlers  the dispatch table                  (requests.py)
   Housekeeping     systemd notify, reload, metrics     (housekeeping.py)
+  DiskBridge       optional local disk tier             (kvtier/disk)
   RemoteBridge     optional Redis Cluster tier          (kvtier/remote)
 
 Loop: poll the ROUTER, the copy worker's wakeup fd and the signal waker;
@@ -38,6 +39,7 @@ import psutil
 import torch
 import zmq
 
+from ..disk.setup import open_disk
 from ..pool.allocator import SlabAllocator
 from ..pool.index import BlockIndex
 from ..pool.policy import POLICIES
@@ -71,7 +73,7 @@ _instances = itertools.count()  # daemons made in this process (a second one nee
 class Daemon:
     def __init__(self, config: DaemonConfig, notifier=None, reloader=None):
         self.housekeeping = Housekeeping(config, notifier, reloader, self.stats)
-        self.copies = self.remote = self.lookup_indexes = None
+        self.copies = self.remote = self.disk = self.lookup_indexes = None
         self.notifier = self.housekeeping.notifier
         self.started = time.time()
         self.counters: Counter = Counter()
@@ -128,10 +130,15 @@ class Daemon:
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
         self.dispatcher = Dispatcher(lambda: self.config, self.listener, self.sessions, self.handlers,
                                      self.guard, lambda: self.stopping, self.counters, self.errors)
-        self.remote = self._start_remote(config)
-        if self.remote is not None:
-            self.copies.on_commit = self.remote.committed  # write-behind of committed prefix blocks
-            self.handlers.remote = self.remote
+        from ..remote.bridge import open_remote  # here: redis is imported only when it is used
+        self.disk = self._start_tier(open_disk, config)
+        self.remote = self._start_tier(open_remote, config, cluster_names(config))
+        self.handlers.remote, self.handlers.disk = self.remote, self.disk
+        hooks = [t.committed for t in (self.disk, self.remote) if t is not None]  # write-behind of stores
+        self.copies.on_commit = (hooks[0] if len(hooks) == 1 else (lambda plan: [h(plan) for h in hooks])
+                                 if hooks else None)
+        if self.disk is not None:
+            self.disk.journal = self.warm
         self.signals = Waker()
         try:
             self.housekeeping.start_metrics()
@@ -195,18 +202,17 @@ class Daemon:
                  len(ctx.uuids), format_size(chunk))
         return ctx
 
-    def _start_remote(self, config: DaemonConfig):
-        """The remote tier behind this pool (remote.bridge), or None when ``remote`` is off.
-        It answers some lookups and loads later: through ``send``, or by re-running
-        a load at the dispatch point once the blocks it fetched are in the pool."""
-        from ..remote.bridge import open_remote
+    def _start_tier(self, open_tier, config: DaemonConfig, *args):
+        """The disk tier (disk.setup) or the remote tier (remote.bridge) behind this pool, or None
+        when off. It answers some lookups and loads later: through ``send``, or by re-running
+        a load at the dispatch point once the blocks it read are in the pool."""
         try:
-            return open_remote(config, self.segment.buffer, self.index, self.listener.send, self.dispatcher.handle,
-                               self.copies.crcs if config.checksums else None, cluster_names(config))
+            return open_tier(config, self.segment.buffer, self.index, self.listener.send, self.dispatcher.handle,
+                             self.copies.crcs if config.checksums else None, *args)
         except ImportError as exc:
             self.shutdown()
             raise StartupError(str(exc)) from None
-        except ValueError as exc:  # the secret file is missing, exposed or malformed: no retry fixes that
+        except ValueError as exc:  # a secret file or disk_path missing, exposed or malformed: no retry fixes that
             self.shutdown()
             raise UnfitConfig(str(exc)) from None
 
@@ -239,8 +245,9 @@ class Daemon:
         poller.register(self.listener.router, zmq.POLLIN)
         poller.register(self.copies.wakeup_fd, zmq.POLLIN)
         poller.register(self.signals.fd, zmq.POLLIN)
-        if self.remote is not None:  # probes, fetches and write-behind report here
-            poller.register(self.remote.wakeup_fd, zmq.POLLIN)
+        tiers = [t for t in (self.disk, self.remote) if t is not None]  # their I/O threads report here
+        for t in tiers:
+            poller.register(t.wakeup_fd, zmq.POLLIN)
         poller.register(self.guard.fd, zmq.POLLIN)
         handover = self.listener.handover
         polled: set[int] = set()  # hand-over descriptors in the poller (they come and go)
@@ -280,8 +287,9 @@ class Daemon:
                             handover.on_ready(fd)
                     if self.copies.wakeup_fd in events:
                         self.copies.finish_completed()
-                    if self.remote is not None and self.remote.wakeup_fd in events:
-                        self.remote.poll()
+                    for t in tiers:
+                        if t.wakeup_fd in events:
+                            t.poll()
                     if time.monotonic() >= next_reap:
                         next_reap = time.monotonic() + self.config.reap_interval_s
                         self.sessions.reap_dead()
@@ -336,8 +344,9 @@ class Daemon:
             for c in list(self.sessions.clients.values()):
                 self.sessions.reap(c, "daemon shutdown")
             self.copies.close()
-        if self.remote is not None:  # its threads write into the pool: stop them before the unmap
-            self.remote.close()
+        for t in (self.disk, self.remote):  # their threads touch the pool: stop them before the unmap
+            if t is not None:
+                t.close()
         if self.lookup_indexes is not None:
             self.lookup_indexes.close()
         if getattr(self, "guard", None) is not None:

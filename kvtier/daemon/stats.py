@@ -23,6 +23,7 @@ class StatsSource(Protocol):
     housekeeping: object
     gpu: object
     remote: object
+    disk: object
     lookup_indexes: object
     warm: object
     config: object
@@ -83,6 +84,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "latency": d.housekeeping.latency.snapshot(),
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
         "remote": d.remote.stats() if d.remote is not None else {"enabled": False},
+        "disk": d.disk.stats(None if everything else viewer.tenant) if d.disk is not None else {"enabled": False},
         "lookup_index": _mirror_stats(d.lookup_indexes),
         "warm_restart": d.warm.stats() if d.warm is not None else {"enabled": False},
     }

@@ -19,7 +19,7 @@ Primitives (scheduler-style, no I/O):
   alloc(cls) / free(offset)                used by the swap table too
   adopt(ns, [(key, offset)]) -> [Entry | None]  warm restart: READY entries at kept offsets
   flush(ns=None) -> int, check_integrity()
-  take_events() -> [(kind, namespace, hash)]  "stored" / "removed", if enabled
+  take_events() -> [(kind, namespace, hash)]  "stored" / "removed" (+ "disk_*", record()), if enabled
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .policy import EvictionPolicy, LRUPolicy
 
 WRITING, READY = "writing", "ready"
 MAX_NAMESPACES = 4096
-STAT_KEYS = ("lookups", "hits", "misses", "stored", "store_skipped", "store_failed",
+STAT_KEYS = ("lookups", "hits", "disk_hits", "misses", "stored", "store_skipped", "store_failed",
              "loaded", "load_failed", "evicted")
 
 
@@ -92,6 +92,7 @@ class BlockIndex:
         self.record_events = False
         self.mirror = None  # optional: .stored(bucket, keys) / .removed(bucket, key) as READY changes
         self.journal = None  # optional: .removed(entry) before a READY entry's slot is freed (warm restart)
+        self.lower = None  # optional tier below: .extend(ns, keys, hits) -> hits, .flushed(ns | None) (disk)
         self._events: list[tuple[str, str, bytes]] = []
 
     # ---- namespaces ----------------------------------------------------------
@@ -116,6 +117,8 @@ class BlockIndex:
         found = ready_prefix(ns.ready_map, keys)
         self.policy.touch_chain(found)
         hits = len(found)
+        if self.lower is not None and hits < len(keys):  # the disk tier: its blocks are hits too
+            hits = self.lower.extend(ns, keys, hits)
         stats = ns.stats
         stats["lookups"] += 1
         stats["hits"] += hits
@@ -249,6 +252,8 @@ class BlockIndex:
                    for e in n.entries.values() if e.state == READY and e.pins == 0]
         for e in victims:
             self._drop(e, removed=True)
+        if self.lower is not None:
+            self.lower.flushed(ns)
         return len(victims)
 
     # ---- space -----------------------------------------------------------------
@@ -310,6 +315,10 @@ class BlockIndex:
                 return None  # slab holds swap, in-flight or pinned blocks
             victims.append(e)
         return victims
+
+    def record(self, kind: str, fingerprint: str, key: bytes) -> None:
+        if self.record_events:  # a tier below announces its blocks in the same stream
+            self._events.append((kind, fingerprint, key))
 
     def take_events(self) -> list[tuple[str, str, bytes]]:
         events, self._events = self._events, []

@@ -1,0 +1,299 @@
+"""The daemon's side of the disk tier: runs on the poll-loop thread and is the
+only part that touches the block index or the disk index for disk work.
+
+Hooks (marked ``# disk tier hook`` where the daemon calls them):
+
+  committed(plan)      an engine's store committed: hold its new blocks and queue
+                       them to be written (write-behind: a block is on disk before
+                       RAM evicts it, so eviction never waits for the disk)
+  extend(ns, keys, n)  BlockIndex.lookup's lower tier: how far the chain goes on
+                       counting disk blocks (dict lookups, never the disk)
+  flushed(ns | None)   BlockIndex.flush's lower tier: a flush empties the disk too
+  load(...) -> bool    the load names disk blocks the pool lacks: allocate them
+                       (invisible, like a store in progress), read and verify them
+                       on the I/O threads, commit the good ones, then run the load
+                       again locally; True = the reply comes from that second run
+  cancel(...) -> bool  a Cancel names a load waiting on the disk: answered failed now
+  poll()               the I/O wakeup fd is readable: finish what completed
+
+A load whose reads are not done after ``timeout_s`` is answered without them
+(those blocks fail, the engine recomputes; RAM hits of the same load are
+served); its slots stay reserved until the reads returned. A disk that has
+a read stuck past ``timeout_s`` takes no new loads until it answers: they
+fail at once. Disk blocks are never written back by a load (they are on disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from itertools import islice
+
+from ..pool.index import READY
+from ..protocol import messages as m
+from ..protocol.arrays import pack_ids
+from ..protocol.codec import encode
+from .format import HEADER_BYTES, MAX_NS_KEY
+from .index import DiskEntry, DiskIndex
+from .io import DiskIO
+
+log = logging.getLogger("kvtier.disk")
+SEP = "\x1f"  # daemon.tenancy.SEP: a namespace key is "tenant SEP fingerprint"
+
+
+class PendingLoad:
+    __slots__ = ("identity", "req_id", "msg", "plan", "present", "count", "got", "answered", "cancelled")
+
+    def __init__(self, identity, req_id, msg, plan, present, count, got):
+        self.identity, self.req_id, self.msg, self.plan = identity, req_id, msg, plan
+        self.present, self.count, self.got = present, count, got  # got: plan indices read, in job order
+        self.answered = self.cancelled = False
+
+
+class DiskBridge:
+    def __init__(self, io: DiskIO, dindex: DiskIndex, index, send, redispatch, timeout_s: float,
+                 queue_bytes: int, crcs: dict | None = None):
+        self.io, self.dindex, self.index = io, dindex, index
+        self.send = send                # (identity, request id, reply) -> None
+        self.redispatch = redispatch    # (identity, frame) -> None: the daemon's dispatch point
+        self.timeout_s, self.queue_bytes = timeout_s, queue_bytes
+        self.crcs = crcs                # the daemon's checksum table, when checksums are on
+        self.journal = None             # warm restart: blocks read back are journaled like stores
+        self.counters: Counter = Counter()
+        self.queued = 0                 # write-behind bytes held in the pool
+        self.writing: set = set()       # (ns key, block key) being written
+        self.generation: Counter = Counter()  # ns key -> flushes: a write finishing after one is dropped
+        self.loads: dict = {}           # read job -> PendingLoad
+        self.by_request: dict = {}      # (identity, request id) -> read job
+        self.local_only: set = set()    # (identity, request id) of loads being re-run after the reads
+        self.scanning = True
+        self.scan_started = time.monotonic()
+        self.scan_s = 0.0
+        io.scan()
+
+    @property
+    def wakeup_fd(self) -> int:
+        return self.io.wakeup_fd
+
+    # ---- lookups (BlockIndex's lower tier) ------------------------------------------------
+    def extend(self, ns, keys: list, hits: int) -> int:
+        on_disk = self.dindex.namespaces.get(ns.fingerprint)
+        if on_disk is None:
+            return hits
+        ready, n = ns.ready_map, hits
+        for k in islice(keys, hits, None):
+            if k not in on_disk and k not in ready:
+                break
+            n += 1
+        if n > hits:
+            ns.stats["disk_hits"] += n - hits
+        return n
+
+    def flushed(self, ns) -> None:
+        keys = None if ns is None else [ns.fingerprint]
+        for k in keys or list(self.dindex.namespaces):
+            self.generation[k] += 1
+        self._unlink(self.dindex.drop(keys))
+
+    # ---- write-behind ------------------------------------------------------------------------
+    def committed(self, plan) -> None:
+        ns = plan.ns
+        key = ns.fingerprint
+        on_disk = self.dindex.namespaces.get(key, {})
+        entries = [e for e in plan.entries if e is not None and e.state == READY and ns.entries.get(e.key) is e
+                   and e.key not in on_disk and (key, e.key) not in self.writing]
+        if not entries:
+            return
+        if len(key.encode()) > MAX_NS_KEY:
+            self.counters["write_skipped"] += len(entries)
+            return
+        size = ns.block_bytes
+        n = min(len(entries), max(0, self.queue_bytes - self.queued) // size)
+        self.counters["queue_full"] += len(entries) - n
+        victims = self.dindex.reserve(n * (HEADER_BYTES + size)) if n else None
+        if victims is None:
+            self.counters["write_skipped"] += n
+            return
+        self._unlink(victims)
+        del entries[n:]
+        self.index.pin(entries)
+        self.queued += n * size
+        self.writing.update((key, e.key) for e in entries)
+        items = [(key, e.key, self.io.next_seq(), e.offset) for e in entries]
+        self.io.write(items, size, ("write", entries, self.generation[key]))
+
+    def _written(self, job) -> None:
+        entries, gen = job.token[1], job.token[2]
+        size = job.size
+        key = job.items[0][0]
+        self.index.unpin(entries)
+        self.queued -= len(entries) * size
+        self.writing.difference_update((key, e.key) for e in entries)
+        self.dindex.release(len(entries) * (HEADER_BYTES + size))
+        stale = gen != self.generation[key]  # flushed while being written
+        dropped, unannounced = [], []
+        for i, crc, path in job.ok:
+            _, k, seq, _ = job.items[i]
+            entry = DiskEntry(key, k, seq, size, crc, path)
+            victims = [entry] if stale else self.dindex.add(entry)
+            if entry in victims:
+                victims.remove(entry)
+                unannounced.append(entry.path)
+            else:
+                self.index.record("disk_stored", key, k)
+            dropped += victims
+        self.counters["write_failed"] += len(job.failed)
+        self._unlink(dropped)
+        self.io.unlink(unannounced)
+
+    def _unlink(self, victims: list) -> None:
+        for v in victims:
+            self.index.record("disk_removed", v.ns_key, v.key)
+        self.io.unlink([v.path for v in victims])
+
+    # ---- loads ---------------------------------------------------------------------------------
+    def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes]) -> bool:
+        if (identity, req_id) in self.local_only:
+            return False
+        on_disk = self.dindex.namespaces.get(ns.fingerprint)
+        if on_disk is None:
+            return False
+        entries, ready = ns.entries, ns.ready_map
+        if msg.prefix:  # only the chain's prefix is wanted: read the disk blocks in it
+            wanted = []
+            for k in keys:
+                if k in ready:
+                    continue
+                if k not in on_disk or k in entries:
+                    break
+                wanted.append(k)
+        else:
+            wanted = [k for k in dict.fromkeys(keys) if k in on_disk and k not in entries]
+        if not wanted:
+            return False
+        if self.io.stalled(self.timeout_s):
+            self.counters["fail_fast"] += len(wanted)
+            return False
+        present = [e for e in map(entries.get, keys) if e is not None and e.state == READY]
+        # Held so that room made for the blocks read is not taken from this very chain.
+        self.index.pin(present)
+        plan = self.index.prepare_store(ns, wanted)
+        got = [i for i, e in enumerate(plan.entries) if e is not None]
+        if not got:
+            self.index.complete_store(plan, failed=range(len(plan.entries)))
+            self.index.unpin(present)
+            self.counters["no_room"] += len(wanted)
+            return False
+        items = [(on_disk[plan.entries[i].key], plan.entries[i].offset) for i in got]
+        job = self.io.read(items, ns.block_bytes, "read", time.monotonic() + self.timeout_s)
+        self.loads[job] = PendingLoad(identity, req_id, msg, plan, present, len(keys), got)
+        self.by_request[(identity, req_id)] = job
+        return True
+
+    def cancel(self, identity: bytes, req_id: int) -> bool:
+        """The client cancels a load waiting on the disk: answered failed now, nothing copied."""
+        job = self.by_request.get((identity, req_id))
+        if job is None:
+            return False
+        p = self.loads[job]
+        p.cancelled = True
+        self._answer(p, job)
+        return True
+
+    def _answer(self, p: PendingLoad, job) -> None:
+        if p.answered:
+            return
+        p.answered = True
+        self.by_request.pop((p.identity, p.req_id), None)
+        self.index.unpin(p.present)
+        if p.cancelled:  # the engine may reuse its blocks already: copy nothing into them
+            self.send(p.identity, p.req_id, m.TransferDone(0, 0, pack_ids(range(p.count))))
+            return
+        self.local_only.add((p.identity, p.req_id))
+        try:
+            self.redispatch(p.identity, encode(p.msg, p.req_id))
+        finally:
+            self.local_only.discard((p.identity, p.req_id))
+
+    def _read(self, job) -> None:
+        """The reads returned: commit what verified, forget files that did not, answer if not yet."""
+        p = self.loads.pop(job)
+        failed = set(job.failed)
+        self.index.complete_store(p.plan, failed=[p.got[j] for j in failed])
+        good = [(p.plan.entries[p.got[j]].offset, crc) for j, crc in job.ok]
+        if self.crcs is not None:
+            self.crcs.update(good)
+        if self.journal is not None and good:
+            self.journal.committed(p.plan, good)
+        for j, _ in job.ok:
+            self.dindex.touch(job.items[j][0])
+        bad = [job.items[j][0] for j in job.bad]
+        for entry in bad:
+            self.dindex.remove(entry)
+        self._unlink(bad)
+        self.counters.update(loaded=len(job.ok), load_failed=len(failed), late=len(job.ok) if p.answered else 0)
+        self._answer(p, job)
+
+    # ---- completions -------------------------------------------------------------------------
+    def poll(self) -> None:
+        for what, job in self.io.completed():
+            if what == "scan":
+                self._found(job)
+            elif what == "scanned":
+                self.scanning = False
+                self.scan_s = time.monotonic() - self.scan_started
+                self.dindex.resort()
+                self._unlink(self.dindex.shrink())
+                log.info("disk tier: %d blocks (%d bytes) found in %s in %.2fs", len(self.dindex),
+                         self.dindex.used, self.io.root, self.scan_s)
+            elif job.kind == "write":
+                self._written(job)
+            elif what == "expired":
+                p = self.loads.get(job)
+                if p is not None:
+                    self.counters["timed_out"] += len(job.items)
+                    self._answer(p, job)
+            else:
+                self._read(job)
+
+    def _found(self, entries: list) -> None:
+        extra = []
+        for entry in entries:
+            if (entry.ns_key, entry.key) in self.writing:  # rewritten now: the new file wins
+                extra.append(entry)
+                continue
+            extra += self.dindex.add(entry, shrink=False)  # fitted to disk_size once all are found
+        self.io.unlink([e.path for e in extra])
+
+    # ---- status ---------------------------------------------------------------------------------
+    def stats(self, tenant: str | None = None) -> dict:
+        """The ``disk`` section; ``tenant``: only that tenant's namespaces (None: all)."""
+        io, errors = self.io.snapshot()
+        rows, tenants = [], Counter()
+        for key, (blocks, nbytes) in sorted(self.dindex.by_namespace().items()):
+            owner, _, fingerprint = key.partition(SEP)
+            tenants[owner] += nbytes
+            if tenant is None or owner == tenant:
+                rows.append({"fingerprint": fingerprint, "blocks": blocks, "bytes": nbytes,
+                             **({"tenant": owner} if tenant is None else {})})
+        keys = ("written", "written_bytes", "read", "read_bytes", "rejected", "missing", "enospc", "eio",
+                "read_errors", "errors", "read_expired", "read_late", "unlinked", "scanned", "scan_rejected")
+        out = {"enabled": True, "path": self.io.root, "capacity_bytes": self.dindex.capacity,
+               "used_bytes": self.dindex.used, "reserved_bytes": self.dindex.reserved,
+               "blocks": len(self.dindex), "dropped": self.dindex.dropped, "queued_bytes": self.queued,
+               "queue_bytes": self.queue_bytes, "scanning": self.scanning, "scan_s": round(self.scan_s, 3),
+               "loads_waiting": len(self.loads), "namespaces": rows,
+               **{k: io.get(k, 0) for k in keys}, **{k: self.counters[k] for k in (
+                   "queue_full", "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",
+                   "timed_out", "no_room", "late")},
+               "last_errors": errors}
+        if tenant is None:
+            out["tenants"] = dict(tenants)
+        return out
+
+    def check_integrity(self) -> None:
+        self.dindex.check_integrity(fitted=not self.scanning)  # files found are fitted once all are found
+
+    def close(self) -> None:
+        self.io.close()

@@ -1,0 +1,108 @@
+"""On-disk block files: names and the verified header (sans-IO).
+
+One file per block: ``<root>/<ns dir>/<key hex>-<seq hex>.kvb``, where the
+namespace directory is a digest of the namespace key (tenant and
+fingerprint) and ``seq`` is the write's number (time-based, so files of
+earlier daemons are older). A file is written under ``<root>/tmp/`` and
+renamed into place when complete, so a name in a namespace directory never
+holds a torn write of this daemon; a torn file after a power loss (rename
+reached the disk before the data) fails its checksum and is deleted.
+
+Layout: a ``HEADER_BYTES`` header (the payload starts 4 KiB-aligned, so
+``O_DIRECT`` reads stay possible), then the block's bytes.
+
+  magic  8s   b"KVTDISK\\0"
+  version H   FORMAT_VERSION: another version is never read, only deleted
+  keylen  H   block hash length
+  fplen   H   namespace key length (UTF-8)
+  _pad    H
+  seq     Q   must match the file name
+  size    Q   payload bytes: must match the file size and the namespace
+  crc     I   crc32 of the payload
+  then the key, the namespace key, and crc32 of everything before it (I).
+
+Primitives: ``encode_header(ns_key, key, seq, size, crc) -> bytes``,
+``decode_header(buf) -> Header | str`` (a reason when it is not ours),
+``ns_dir(ns_key)``, ``block_name(key, seq)``, ``parse_name(name)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from dataclasses import dataclass
+
+MAGIC = b"KVTDISK\0"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+SUFFIX = ".kvb"
+TMP_DIR = "tmp"
+_FIXED = struct.Struct("<8sHHHHQQI")
+MAX_NS_KEY = HEADER_BYTES - _FIXED.size - 4 - 64  # room for the key (hashes are 16 bytes) and the crc
+
+
+@dataclass(frozen=True)
+class Header:
+    ns_key: str
+    key: bytes
+    seq: int
+    size: int
+    crc: int
+
+
+def ns_dir(ns_key: str) -> str:
+    """A namespace's directory name: a digest, so a tenant or fingerprint never
+    becomes a path (no separators, no length limits, nothing to escape)."""
+    return hashlib.sha256(ns_key.encode()).hexdigest()[:24]
+
+
+def block_name(key: bytes, seq: int) -> str:
+    return f"{key.hex()}-{seq:016x}{SUFFIX}"
+
+
+def parse_name(name: str) -> tuple[bytes, int] | None:
+    """(key, seq) of a block file name, or None when it is no block file of ours."""
+    if not name.endswith(SUFFIX):
+        return None
+    stem, _, seq = name[:-len(SUFFIX)].rpartition("-")
+    try:
+        key = bytes.fromhex(stem)
+        n = int(seq, 16)
+    except ValueError:
+        return None
+    if not key or len(key) > 64 or len(seq) != 16 or stem != key.hex():
+        return None
+    return key, n
+
+
+def encode_header(ns_key: str, key: bytes, seq: int, size: int, crc: int) -> bytes:
+    fp = ns_key.encode()
+    if len(fp) > MAX_NS_KEY or len(key) > 64:
+        raise ValueError("namespace key or block hash too long for a disk header")
+    body = _FIXED.pack(MAGIC, FORMAT_VERSION, len(key), len(fp), 0, seq, size, crc) + key + fp
+    body += struct.pack("<I", zlib.crc32(body))
+    return body + bytes(HEADER_BYTES - len(body))
+
+
+def decode_header(buf) -> Header | str:
+    """The header in ``buf`` (at least ``HEADER_BYTES``), or why it is not one of ours."""
+    if len(buf) < HEADER_BYTES:
+        return "truncated header"
+    magic, version, keylen, fplen, _, seq, size, crc = _FIXED.unpack_from(buf)
+    if magic != MAGIC:
+        return "not a kvtier block file"
+    if version != FORMAT_VERSION:
+        return f"format version {version}, this daemon reads {FORMAT_VERSION}"
+    end = _FIXED.size + keylen + fplen
+    if keylen > 64 or end + 4 > HEADER_BYTES:
+        return "header lengths out of range"
+    (want,) = struct.unpack_from("<I", buf, end)
+    if zlib.crc32(memoryview(buf)[:end]) != want:
+        return "header checksum mismatch"
+    key = bytes(buf[_FIXED.size:_FIXED.size + keylen])
+    try:
+        ns_key = bytes(buf[_FIXED.size + keylen:end]).decode()
+    except UnicodeDecodeError:
+        return "namespace key is not UTF-8"
+    return Header(ns_key, key, seq, size, crc)

@@ -1,0 +1,422 @@
+"""The disk tier's I/O: worker threads that write, read and unlink block files,
+a scanner that rebuilds the index from the files at start, and a deadline
+clock. Results go back to the daemon's loop through a wakeup pipe; the loop
+never waits on the disk.
+
+Every verb queues and returns at once. Reads go before writes (a load is
+waited for, a write-behind is not); the items of one job are shared by all
+workers, so one large load reads with every thread. A read job not done by
+its deadline is reported ``expired`` by the clock thread (the loop answers
+the load without those blocks) and reported again, ``done``, when its reads
+returned: only then may the pool bytes it names be reused.
+
+Files are read with ``os.preadv`` straight into the pool (buffered I/O: one
+copy, kernel to pool), checked against the header the index expects and the
+payload crc32, then dropped from the page cache (the pool holds them now).
+Writes go to ``tmp/`` and are renamed into place; see BENCHMARKS.md for why
+no fsync and no ``O_DIRECT``.
+
+Primitives: ``DiskIO(root, pool, threads)``, ``.write(items, size, token)``,
+``.read(items, size, token, deadline)``, ``.unlink(paths)``, ``.scan()``,
+``.completed() -> [(what, job)]``, ``.stalled(timeout)``, ``.wakeup_fd``,
+``.counters``, ``.close()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import heapq
+import itertools
+import logging
+import os
+import stat
+import threading
+import time
+import zlib
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..waker import Inbox
+from .format import HEADER_BYTES, TMP_DIR, block_name, decode_header, encode_header, ns_dir, parse_name
+
+log = logging.getLogger("kvtier.disk")
+OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+SCAN_BATCH = 4096
+ERRNO_COUNTER = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "eio"}
+
+
+@dataclass(eq=False)
+class DiskJob:
+    kind: str                    # "write" | "read" | "unlink"
+    token: Any                   # the caller's, handed back untouched
+    items: list                  # write: (ns_key, key, seq, offset); read: (entry, offset); unlink: path
+    size: int = 0
+    deadline: float = 0.0        # read: reported "expired" by then if not done
+    next: int = 0                # guarded by the lock: the next item a worker takes
+    finished: int = 0            # guarded by the lock: items done
+    expired: bool = False        # guarded by the lock
+    started: float = 0.0         # when a worker took its first item (stall detection)
+    ok: list = field(default_factory=list)      # write: (index, crc, path); read: (index, crc)
+    failed: list = field(default_factory=list)  # indices not written / not read intact
+    bad: list = field(default_factory=list)     # read: indices whose file must go (corrupt, foreign, gone)
+
+
+def check_file(st: os.stat_result, uid: int, size: int | None = None) -> str:
+    """Why a block file may not be read ("" = it may): another user's file, one
+    others could have written, a non-regular file, or one of the wrong size."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not the daemon's"
+    if st.st_mode & 0o077:
+        return f"mode {stat.S_IMODE(st.st_mode):o} lets others in"
+    if size is not None and st.st_size != HEADER_BYTES + size:
+        return f"{st.st_size} bytes, expected {HEADER_BYTES + size}"
+    return ""
+
+
+class DiskIO:
+    def __init__(self, root: str, pool, threads: int, fsync: bool = False):
+        self.root, self.fsync = root, fsync
+        self.pool = memoryview(pool).cast("B")
+        self.uid = os.geteuid()
+        self.lock = threading.Lock()
+        self.counters: Counter = Counter()   # guarded by the lock
+        self.errors: dict[str, str] = {}     # counter -> last message (guarded by the lock)
+        self._cv = threading.Condition(self.lock)
+        self._reads: deque = deque()
+        self._writes: deque = deque()
+        self._running: set = set()           # read jobs with an item being read
+        self._done = Inbox()
+        self._closing = False
+        self._seq = itertools.count(time.time_ns())
+        self._tmp_prefix = f"{os.getpid()}-{time.time_ns():x}-"
+        self._dirs: set[str] = set()
+        self._heap: list = []                # (deadline, n, job): the clock's
+        self._threads = [threading.Thread(target=self._serve, name=f"kvtier-disk-{i}", daemon=True)
+                         for i in range(threads)]
+        self._threads.append(threading.Thread(target=self._clock, name="kvtier-disk-clock", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # ---- loop-thread API -----------------------------------------------------------------
+    @property
+    def wakeup_fd(self) -> int:
+        return self._done.fd
+
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def path_of(self, ns_key: str, key: bytes, seq: int) -> str:
+        return os.path.join(self.root, ns_dir(ns_key), block_name(key, seq))
+
+    def write(self, items: list, size: int, token) -> DiskJob:
+        return self._queue(self._writes, DiskJob("write", token, items, size))
+
+    def read(self, items: list, size: int, token, deadline: float) -> DiskJob:
+        job = self._queue(self._reads, DiskJob("read", token, items, size, deadline))
+        with self._cv:
+            heapq.heappush(self._heap, (deadline, id(job), job))
+        return job
+
+    def unlink(self, paths: list[str]) -> None:
+        if paths:
+            self._queue(self._writes, DiskJob("unlink", None, list(paths)))
+
+    def scan(self) -> None:
+        """Rebuild from the files (its own thread): batches of entries come back as ("scan", [..]),
+        then ("scanned", None)."""
+        threading.Thread(target=self._scan, name="kvtier-disk-scan", daemon=True).start()
+
+    def completed(self) -> list:
+        return self._done.take_all()
+
+    def stalled(self, timeout: float) -> bool:
+        """A read has waited on the disk for over ``timeout``: new loads should not queue behind it."""
+        now = time.monotonic()
+        with self.lock:
+            return any(now - j.started > timeout for j in self._running) or bool(
+                self._reads and self._reads[0].deadline < now)
+
+    def snapshot(self) -> tuple[dict, dict]:
+        with self.lock:
+            return dict(self.counters), dict(self.errors)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._done.close()
+        if not any(t.is_alive() for t in self._threads):
+            self.pool.release()  # the pool's owner may unmap it now
+
+    # ---- workers -----------------------------------------------------------------------------
+    def _queue(self, q: deque, job: DiskJob) -> DiskJob:
+        if not job.items:
+            self._done.put(("done", job))
+            return job
+        with self._cv:
+            q.append(job)
+            self._cv.notify_all()
+        return job
+
+    def _take(self):
+        """The next (job, item index); reads first. None when closing."""
+        with self._cv:
+            while True:
+                if self._closing:
+                    return None
+                for q in (self._reads, self._writes):
+                    if q:
+                        job = q[0]
+                        i = job.next
+                        job.next += 1
+                        if job.next >= len(job.items):
+                            q.popleft()
+                        if job.kind == "read" and not job.started:
+                            job.started = time.monotonic()
+                            self._running.add(job)
+                        return job, i
+                self._cv.wait()
+
+    def _serve(self) -> None:
+        run = {"write": self._write_one, "read": self._read_one, "unlink": self._unlink_one}
+        while True:
+            got = self._take()
+            if got is None:
+                return
+            job, i = got
+            tally: Counter = Counter()
+            try:
+                run[job.kind](job, i, tally)
+            except Exception as exc:  # a bug here must not lose the caller's job
+                log.exception("disk %s failed", job.kind)
+                tally["errors"] += 1
+                if job.kind != "unlink":
+                    job.failed.append(i)
+                self._note("errors", f"{type(exc).__name__}: {exc}")
+            with self.lock:
+                self.counters.update(tally)
+                job.finished += 1
+                last = job.finished == len(job.items)
+                if last:
+                    self._running.discard(job)
+            if last and job.kind != "unlink":
+                self._done.put(("done", job))
+
+    def _note(self, counter: str, message: str) -> None:
+        with self.lock:
+            first = counter not in self.errors
+            self.errors[counter] = message
+        if first:  # once per kind: a full disk fails every write, the log says it once
+            log.error("disk tier %s: %s", counter, message)
+
+    def _os_error(self, tally: Counter, what: str, exc: OSError) -> None:
+        name = ERRNO_COUNTER.get(exc.errno, "errors")
+        tally[name] += 1
+        self._note(name, f"{what}: {exc}")
+
+    def _write_one(self, job: DiskJob, i: int, tally: Counter) -> None:
+        ns_key, key, seq, off = job.items[i]
+        payload = self.pool[off:off + job.size]
+        crc = zlib.crc32(payload)
+        final = self.path_of(ns_key, key, seq)
+        tmp = os.path.join(self.root, TMP_DIR, f"{self._tmp_prefix}{seq:x}.tmp")
+        try:
+            fd = os.open(tmp, OPEN_WRITE, 0o600)
+            try:
+                _write_all(fd, [encode_header(ns_key, key, seq, job.size, crc), payload])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            directory = os.path.dirname(final)
+            if directory not in self._dirs:
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+                self._dirs.add(directory)
+            os.rename(tmp, final)
+        except OSError as exc:
+            job.failed.append(i)
+            self._os_error(tally, f"writing {final}", exc)
+            _quiet_unlink(tmp)
+            return
+        finally:
+            payload.release()
+        job.ok.append((i, crc, final))
+        tally.update(written=1, written_bytes=job.size)
+
+    def _read_one(self, job: DiskJob, i: int, tally: Counter) -> None:
+        entry, off = job.items[i]
+        if job.expired or self._closing:  # queued behind a slow disk: the load was answered without it
+            job.failed.append(i)
+            tally["read_late"] += 1
+            return
+        why = ""
+        try:
+            fd = os.open(entry.path, OPEN_READ)
+        except OSError as exc:
+            job.failed.append(i)
+            job.bad.append(i)  # gone or unreadable: the index must forget it
+            tally["missing" if exc.errno == errno.ENOENT else "read_errors"] += 1
+            if exc.errno != errno.ENOENT:
+                self._os_error(tally, f"opening {entry.path}", exc)
+            return
+        try:
+            why = check_file(os.fstat(fd), self.uid, job.size)
+            if not why:
+                h = decode_header(os.pread(fd, HEADER_BYTES, 0))
+                if isinstance(h, str):
+                    why = h
+                elif (h.ns_key, h.key, h.seq, h.size, h.crc) != (entry.ns_key, entry.key, entry.seq, job.size,
+                                                                  entry.crc):
+                    why = "header names another block"
+            if not why:
+                dest = self.pool[off:off + job.size]
+                try:
+                    n = _read_all(fd, dest, HEADER_BYTES)
+                    if n != job.size:
+                        why = f"payload {n} bytes, expected {job.size}"
+                    elif zlib.crc32(dest) != entry.crc:
+                        why = "payload checksum mismatch"
+                finally:
+                    dest.release()
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the pool has it now
+        except OSError as exc:
+            job.failed.append(i)
+            job.bad.append(i)
+            self._os_error(tally, f"reading {entry.path}", exc)
+            tally["read_errors"] += 1
+            return
+        finally:
+            os.close(fd)
+        if why:
+            job.failed.append(i)
+            job.bad.append(i)
+            tally["rejected"] += 1
+            log.error("disk block %s rejected and deleted: %s", entry.path, why)
+            return
+        job.ok.append((i, entry.crc))
+        tally.update(read=1, read_bytes=job.size)
+
+    def _unlink_one(self, job: DiskJob, i: int, tally: Counter) -> None:
+        if _quiet_unlink(job.items[i]):
+            tally["unlinked"] += 1
+
+    def _clock(self) -> None:
+        """Reports read jobs not done by their deadline as "expired" (once)."""
+        while True:
+            with self._cv:
+                if self._closing:
+                    return
+                now = time.monotonic()
+                while self._heap and (self._heap[0][0] <= now or self._heap[0][2].finished >= len(
+                        self._heap[0][2].items)):
+                    job = heapq.heappop(self._heap)[2]
+                    if job.finished < len(job.items) and not job.expired:
+                        job.expired = True
+                        self.counters["read_expired"] += 1
+                        self._done.put(("expired", job))
+                self._cv.wait(min(0.05, self._heap[0][0] - now) if self._heap else 0.25)
+
+    # ---- the start-up scan -----------------------------------------------------------------
+    def _scan(self) -> None:
+        tally: Counter = Counter()
+        try:
+            self._clean_tmp()
+            batch = []
+            for entry in self._scan_files(tally):
+                batch.append(entry)
+                if len(batch) >= SCAN_BATCH:
+                    self._done.put(("scan", batch))
+                    batch = []
+            self._done.put(("scan", batch))
+        except Exception:  # a bug: what was found stays found, the rest is not served
+            log.exception("disk scan failed")
+        finally:
+            with self.lock:
+                self.counters.update(tally)
+            self._done.put(("scanned", None))
+
+    def _clean_tmp(self) -> None:
+        tmp = os.path.join(self.root, TMP_DIR)
+        for name in os.listdir(tmp):
+            if not name.startswith(self._tmp_prefix):  # an earlier daemon's torn write
+                _quiet_unlink(os.path.join(tmp, name))
+
+    def _scan_files(self, tally: Counter):
+        from .index import DiskEntry
+        for d in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, d)
+            if d == TMP_DIR or len(d) != 24 or not os.path.isdir(path) or os.path.islink(path):
+                continue
+            for name in os.listdir(path):
+                file = os.path.join(path, name)
+                why, h = self._vet(d, name, file)
+                if why:
+                    tally["scan_rejected"] += 1
+                    log.warning("disk file %s deleted: %s", file, why)
+                    _quiet_unlink(file)
+                    continue
+                tally["scanned"] += 1
+                yield DiskEntry(h.ns_key, h.key, h.seq, h.size, h.crc, file)
+
+    def _vet(self, d: str, name: str, file: str):
+        parsed = parse_name(name)
+        if parsed is None:
+            return "not a block file name", None
+        try:
+            fd = os.open(file, OPEN_READ | os.O_NONBLOCK)  # a FIFO planted here must not hang the scan
+        except OSError as exc:
+            return str(exc), None
+        try:
+            st = os.fstat(fd)
+            why = check_file(st, self.uid)
+            if why:
+                return why, None
+            h = decode_header(os.pread(fd, HEADER_BYTES, 0))
+        except OSError as exc:
+            return str(exc), None
+        finally:
+            os.close(fd)
+        if isinstance(h, str):
+            return h, None
+        if (h.key, h.seq) != parsed or ns_dir(h.ns_key) != d:
+            return "header does not match its name", None
+        if st.st_size != HEADER_BYTES + h.size:
+            return f"{st.st_size} bytes, header says {HEADER_BYTES + h.size}", None
+        return "", h
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    views = [memoryview(b) for b in bufs]
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _read_all(fd: int, dest: memoryview, offset: int) -> int:
+    got = 0
+    while got < len(dest):
+        n = os.preadv(fd, [dest[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _quiet_unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False

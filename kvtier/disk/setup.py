@@ -1,0 +1,79 @@
+"""Starting the disk tier: check ``disk_path`` is the daemon's own, then compose.
+
+A disk_path is refused (the daemon does not start) when it is not a
+directory, is a symlink, belongs to another user, or when another user
+could write it or replace it (it or a parent directory is writable by
+others without the sticky bit, or a parent belongs to a user other than
+root and the daemon's). A directory that does not exist is created 0700.
+The block files themselves are 0600 and read only when owned by the
+daemon's user (``io.check_file``).
+
+Primitives: ``check_dir(path) -> str`` (the absolute path; ValueError says why),
+``open_disk(config, pool, index, send, redispatch, crcs) -> DiskBridge | None``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+from ..pool.sizes import format_size
+from .bridge import DiskBridge
+from .format import TMP_DIR
+from .index import DiskIndex
+from .io import DiskIO
+
+log = logging.getLogger("kvtier.disk")
+QUEUE_BYTES = 256 * 2**20  # write-behind held in the pool at most (and a quarter of the pool)
+
+
+def check_dir(path: str) -> str:
+    root = os.path.abspath(path)
+    uid = os.geteuid()
+    if not os.path.lexists(root):
+        try:
+            os.mkdir(root, 0o700)
+        except OSError as exc:
+            raise ValueError(f"disk_path {root}: cannot create it: {exc}") from None
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"disk_path {root}: not a directory (a symlink is refused too)")
+    if st.st_uid != uid:
+        raise ValueError(f"disk_path {root}: owned by uid {st.st_uid}, the daemon runs as uid {uid}")
+    if st.st_mode & 0o022:
+        raise ValueError(f"disk_path {root}: mode {stat.S_IMODE(st.st_mode):o} lets other users write "
+                         "(chmod 700 it)")
+    parent = os.path.dirname(root)
+    while True:
+        pst = os.stat(parent)
+        if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX:
+            raise ValueError(f"disk_path {root}: parent {parent} is writable by every user (no sticky bit): "
+                             "another user could replace the directory")
+        if pst.st_uid not in (0, uid):
+            raise ValueError(f"disk_path {root}: parent {parent} belongs to uid {pst.st_uid}, who could "
+                             "replace the directory")
+        if parent == os.path.dirname(parent):
+            break
+        parent = os.path.dirname(parent)
+    tmp = os.path.join(root, TMP_DIR)
+    if not os.path.lexists(tmp):
+        os.mkdir(tmp, 0o700)
+    tst = os.lstat(tmp)
+    if not stat.S_ISDIR(tst.st_mode) or tst.st_uid != uid:
+        raise ValueError(f"disk_path {root}: {tmp} is not the daemon's directory")
+    return root
+
+
+def open_disk(config, pool, index, send, redispatch, crcs: dict | None) -> DiskBridge | None:
+    """The disk tier under ``index`` (its ``lower``), or None when ``disk_path`` is off."""
+    if not config.disk_path:
+        return None
+    root = check_dir(config.disk_path)
+    io = DiskIO(root, pool, config.disk_threads)
+    bridge = DiskBridge(io, DiskIndex(config.disk_size), index, send, redispatch, config.disk_timeout_s,
+                        min(QUEUE_BYTES, config.pool_size // 4), crcs)
+    index.lower = bridge
+    log.info("disk tier %s: %s, %d I/O threads, loads wait at most %.2fs; scanning its files",
+             root, format_size(config.disk_size), config.disk_threads, config.disk_timeout_s)
+    return bridge
