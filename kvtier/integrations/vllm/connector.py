@@ -45,6 +45,12 @@ class KVTierConnectorWorker(OffloadingConnectorWorker):
         super().__init__(*args, **kwargs)
         self.failed_loads: set[str] = set()
 
+    def register_kv_caches(self, kv_caches):
+        from .spec import KVTierOffloadingSpec
+        if isinstance(self.spec, KVTierOffloadingSpec):
+            self.spec.check_layer_tensors(kv_caches)  # head slices need head-major tensors
+        super().register_kv_caches(kv_caches)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         assert self.worker is not None
         finished_recving: set[str] = set()

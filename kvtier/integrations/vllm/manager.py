@@ -10,6 +10,9 @@ daemon lost) before the worker's load runs. Such a load comes back failed,
 the connector reports the request as a failed receive, vLLM recomputes it,
 and ``exclude`` makes later lookups for that request miss so it cannot loop.
 
+With a TP layout cut in head slices (``slices.py``) a chunk is a hit only
+when every slice is in the pool, so each rank can load its own part.
+
 ``prepare_store`` hands every key to the worker: the daemon skips blocks it
 already holds or is writing, so deduplication costs no copy.
 
@@ -40,6 +43,7 @@ from vllm.v1.kv_offload.base import (
 from ...client import Client, KVTierError, Namespace, ShmKVCache
 from .events import TierEvents
 from .naming import kvtier_key
+from .slices import PER_RANK, KVSlices
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -56,8 +60,9 @@ class KVTierSpecs(LoadStoreSpec):
 
 class KVTierManager(OffloadingManager):
     def __init__(self, namespace: Namespace, engine_block_bytes: int, blocks_per_chunk: int,
-                 socket: str | None, name: str, events: TierEvents | None = None):
+                 socket: str | None, name: str, events: TierEvents | None = None, slices: KVSlices = PER_RANK):
         self.events = events or TierEvents(enabled=False)
+        self.slices = slices
         self.client = Client(socket, name=name, require_daemon=False)
         # A lookup needs a registration in the namespace. The scheduler has no KV
         # cache, so it registers a one-block stand-in with the workers' block size.
@@ -95,14 +100,17 @@ class KVTierManager(OffloadingManager):
             if not self._warned_unbatched:
                 self._warned_unbatched = True
                 log.warning("kvtier: lookup without prefetch; one round trip per chunk")
-            hit = self._answers[key] = self._lookup([kvtier_key(key)]) == 1
+            hit = self._answers[key] = self._lookup([kvtier_key(key)]) == 1  # one chunk, all its slices
             (self.events.stored if hit else self.events.missing)([key])
         return LookupResult.HIT if hit else LookupResult.MISS
 
     def _lookup(self, hashes: list[bytes]) -> int:
+        """How many of these chunks, from the first, the pool holds whole (every slice)."""
         self.round_trips += 1
+        n = self.slices.slices
+        keys = hashes if n == 1 else [k for h in hashes for k in self.slices.all_keys(h)]
         try:
-            return self.client.lookup(hashes)
+            return self.client.lookup(keys) // n
         except KVTierError as exc:  # a refused lookup is a miss, never a crash
             log.warning("kvtier: lookup failed: %s", exc)
             return 0

@@ -9,8 +9,10 @@ the scheduler process and in every worker process.
   for any hash length and keeps keys uniformly spread.
 * Namespace: everything that changes the bytes of a block or the meaning of
   a hash: model and revision, cache dtype, KV layout, tokens per block,
-  tokens per chunk, TP rank and size, PP stage, the group, and the hash
-  algorithm with its seed (``PYTHONHASHSEED`` changes every vLLM hash).
+  tokens per chunk, PP stage, the group, and the hash algorithm with its
+  seed (``PYTHONHASHSEED`` changes every vLLM hash). TP rank and size only
+  for the per-rank layout: a shared layout (``slices.py``: head slices,
+  replicated MLA) names its slicing instead, so every TP size shares it.
 """
 
 from __future__ import annotations
@@ -47,12 +49,17 @@ class EngineIdentity:
     group_id: int
     hash_algo: str
     hash_seed: str | None          # PYTHONHASHSEED, None when unset
+    kv_slices: str = ""            # a shared layout's tag (slices.KVSlices.tag); "" = per-rank layout
 
     def namespace(self, rank: int) -> Namespace:
         """Namespace of worker ``rank`` (the scheduler looks up as rank 0)."""
         seed = self.hash_seed if self.hash_seed is not None else "default"
         extra = (f"vllm,group{self.group_id},chunk{self.blocks_per_chunk},"
                  f"pp{rank // self.tp_size}of{self.pp_size},hash={self.hash_algo}/{seed}")
+        if self.kv_slices:  # one namespace for every TP rank and size
+            return Namespace(model=f"{self.model}@{self.revision or 'local'}", dtype=self.cache_dtype,
+                             layout=self.kv_layout, block_size=self.tokens_per_block,
+                             extra=f"{extra},{self.kv_slices}")
         return Namespace(model=f"{self.model}@{self.revision or 'local'}", dtype=self.cache_dtype,
                          layout=self.kv_layout, block_size=self.tokens_per_block,
                          tp_rank=rank % self.tp_size, tp_size=self.tp_size, extra=extra)

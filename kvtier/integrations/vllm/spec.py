@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import contextvars
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+from vllm.platforms import current_platform
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from .naming import EngineIdentity
+from .slices import KVSlices, plan
 
 _ENGINE: contextvars.ContextVar["EngineConfigs | None"] = contextvars.ContextVar("kvtier_vllm_engine",
                                                                                 default=None)
@@ -52,6 +54,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
                                       f"(this model has {len(config.groups)})")
         vc = engine.vllm_config
         group = config.groups[0]
+        self._layout = _LayoutFacts.of(vc, engine.kv_cache_config, group.group_id, config.kv_cache_layout)
+        self.slices = self.slices_of(0)
         self.identity = EngineIdentity(
             model=vc.model_config.model, revision=vc.model_config.revision,
             cache_dtype=config.model.dtype,
@@ -59,8 +63,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
                       + ("-canonical" if config.canonical_layout else ""),
             tokens_per_block=group.tokens_per_block, blocks_per_chunk=self.blocks_per_chunk,
             tp_size=config.parallel.tp_size, pp_size=config.parallel.pp_size, group_id=group.group_id,
-            hash_algo=vc.cache_config.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"))
-        self.engine_block_bytes = _unpadded_block_bytes(engine.kv_cache_config, group.group_id)
+            hash_algo=vc.cache_config.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"),
+            kv_slices=self.slices.tag() if self.slices.shared else "")
+        # The scheduler's stand-in registration: one slice of one engine block.
+        self.engine_block_bytes = sum(p // self.slices.count for p in self._layout.pages)
         self.socket = self.extra_config.get("kvtier_socket") or None
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -72,7 +78,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             namespace = self.identity.namespace(0)
             self._manager = KVTierManager(namespace, self.engine_block_bytes, self.blocks_per_chunk, self.socket,
                                           name=f"vllm-scheduler-{self.config.engine_id}"[:64],
-                                          events=self._events(namespace))
+                                          events=self._events(namespace), slices=self.slices)
         return self._manager
 
     def _events(self, namespace):
@@ -87,17 +93,76 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             from .worker import KVTierWorker
             rank = self.config.parallel.rank
+            slices = self.slices_of(rank)
             self._worker = KVTierWorker(kv_caches, self.identity.namespace(rank), self.blocks_per_chunk,
-                                        self.socket, name=f"vllm-worker{rank}-{self.config.engine_id}"[:64])
+                                        self.socket, name=f"vllm-worker{rank}-{self.config.engine_id}"[:64],
+                                        slices=slices)
         return self._worker
 
+    def slices_of(self, rank: int) -> KVSlices:
+        """How worker ``rank`` cuts a chunk into kvtier blocks (``slices.py``)."""
+        f = self._layout
+        return plan(self.config.parallel.tp_size, rank % self.config.parallel.tp_size, f.total_kv_heads,
+                    f.replicated, f.head_major)
 
-def _unpadded_block_bytes(kv_cache_config, group_id: int) -> int:
-    """Bytes of one engine block over the group's layers, as the worker registers them."""
-    group = kv_cache_config.kv_cache_groups[group_id]
-    spec = group.kv_cache_spec
-    total = 0
-    for name in group.layer_names:
-        layer = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-        total += layer.unpadded_page_size_bytes
-    return total
+    def check_layer_tensors(self, kv_caches: dict) -> None:
+        """Worker side, before ``get_worker``: head slices need each head's
+        bytes of a block contiguous (``[blocks, heads, ...]``, heads outermost).
+        vLLM's CPU attention lays KV out so; if this worker's tensors are not,
+        it falls back to the per-rank layout (its blocks are never shared; a
+        hit another engine stored fails to load here and vLLM recomputes)."""
+        if self._layout.head_major and not all(_heads_outermost(t, self._layout.local_kv_heads)
+                                               for t in kv_caches.values()):
+            import logging
+            logging.getLogger("kvtier.vllm").error(
+                "kvtier: KV tensors are not head-major %s; this worker uses the per-rank layout",
+                sorted({tuple(t.shape) for t in kv_caches.values()}))
+            self._layout = _LayoutFacts(self._layout.pages, self._layout.total_kv_heads,
+                                        self._layout.local_kv_heads, False, False)
+            self.identity = replace(self.identity, kv_slices="")
+
+
+@dataclass(frozen=True)
+class _LayoutFacts:
+    """What decides the TP layout, known alike to the scheduler and every worker."""
+    pages: tuple[int, ...]     # unpadded page bytes of each layer of the group, on one rank
+    total_kv_heads: int
+    local_kv_heads: int
+    replicated: bool           # every TP rank holds identical bytes (MLA)
+    head_major: bool           # head slices are possible (see slices.py)
+
+    @classmethod
+    def of(cls, vc, kv_cache_config, group_id: int, kv_cache_layout: str | None) -> "_LayoutFacts":
+        group = kv_cache_config.kv_cache_groups[group_id]
+        spec = group.kv_cache_spec
+        layers = [spec.kv_cache_specs[n] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+                  for n in group.layer_names]
+        pc = vc.parallel_config
+        tp = pc.tensor_parallel_size
+        # No context parallelism (it shards tokens, not heads) and one TP group per PP stage.
+        plain = (pc.decode_context_parallel_size == 1 and pc.prefill_context_parallel_size == 1
+                 and pc.world_size == tp * pc.pipeline_parallel_size)
+        total = vc.model_config.get_total_num_kv_heads()
+        replicated = (plain and all(type(s) is MLAAttentionSpec for s in layers)
+                      and getattr(kv_cache_config, "kv_tp_replicas", 1) == tp)
+        local = {getattr(s, "num_kv_heads", 0) for s in layers}
+        head_major = (plain and not replicated and current_platform.is_cpu()
+                      and (kv_cache_layout or "LBHNC") == "LBHNC"
+                      and all(isinstance(s, AttentionSpec) and not isinstance(s, MLAAttentionSpec)
+                              and not s.kv_quant_mode.is_per_token_head for s in layers)
+                      and local == {max(1, total // tp)}
+                      and all(s.unpadded_page_size_bytes % s.num_kv_heads == 0 for s in layers))
+        return cls(tuple(s.unpadded_page_size_bytes for s in layers), total, local.pop() if len(local) == 1 else 0,
+                   replicated, head_major)
+
+
+def _heads_outermost(t, heads: int) -> bool:
+    """``t`` is ``[blocks, heads, ...]`` with each head's rest contiguous."""
+    if t.dim() < 3 or t.shape[1] != heads:
+        return False
+    inner = 1
+    for size, stride in reversed(list(zip(t.shape[2:], t.stride()[2:]))):
+        if stride != inner:
+            return False
+        inner *= size
+    return t.stride(1) == inner
