@@ -34,3 +34,14 @@ def test_random_per_process_hashes_are_called_unshareable():
     assert ENGINE.hashes_shareable()
     assert not replace(ENGINE, hash_algo="xxhash").hashes_shareable()
     assert replace(ENGINE, hash_algo="xxhash", hash_seed="42").hashes_shareable()
+
+
+def test_a_shared_tp_layout_gives_every_rank_and_tp_size_one_namespace_and_the_per_rank_layout_does_not():
+    """Head slices (or replicated MLA) are the same bytes whatever the TP size:
+    one namespace; the per-rank layout keeps one namespace per rank and size."""
+    shared = replace(ENGINE, kv_slices="kv=heads/8")
+    fps = {replace(shared, tp_size=tp).namespace(r).fingerprint() for tp in (1, 2, 4) for r in range(tp)}
+    assert len(fps) == 1
+    assert shared.namespace(0).fingerprint() != replace(ENGINE, kv_slices="kv=replicated/1").namespace(0).fingerprint()
+    assert ENGINE.namespace(0).fingerprint() != ENGINE.namespace(1).fingerprint()
+    assert shared.namespace(0).fingerprint() not in {ENGINE.namespace(r).fingerprint() for r in range(2)}

@@ -1,0 +1,155 @@
+"""TP-independent layouts (``slices.py``) with vLLM's own worker types and a real daemon.
+
+vLLM's CPU attention keeps a block as ``[heads, tokens, 2 * head_size]``, so
+head ``h``'s bytes are the same whichever TP size holds it. Here a TP=1
+worker (both heads) and the two ranks of a TP=2 engine (one head each) store
+and load through one namespace: bytes exact both ways, a TP=2 store is one
+copy, and the scheduler counts a chunk only when every head slice is in the
+pool. Replicated KV (MLA) is stored by one rank per chunk and loaded by all.
+The full engines are in ``test_vllm_tp.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
+from kvtier.client import Namespace  # noqa: E402
+from kvtier.integrations.vllm.manager import KVTierManager, KVTierSpecs  # noqa: E402
+from kvtier.integrations.vllm.naming import kvtier_key  # noqa: E402
+from kvtier.integrations.vllm.slices import plan  # noqa: E402
+from kvtier.integrations.vllm.worker import KVTierWorker  # noqa: E402
+from tests.integrations.test_vllm_tier_events import offload_keys, req  # noqa: E402
+from tests.integrations.test_vllm_worker import finished, gpu_spec  # noqa: E402
+
+LAYERS, BLOCKS, HEADS, HEAD_BYTES, K = 2, 16, 2, 1024, 2
+HEADS_NS = Namespace("tp-test", "bfloat16", "vllm-LBHNC", 32, extra="kv=heads/2")
+MLA_NS = Namespace("mla-test", "bfloat16", "vllm-LBHNC", 32, extra="kv=replicated/1")
+
+
+def caches(heads: int, seed: int | None):
+    """One uint8 ``(blocks, heads * head_bytes)`` tensor per layer, as vLLM hands a rank's layers over."""
+    g = torch.Generator().manual_seed(seed or 0)
+    page = heads * HEAD_BYTES
+    ts = [torch.randint(0, 256, (BLOCKS, page), generator=g, dtype=torch.uint8) if seed is not None
+          else torch.zeros(BLOCKS, page, dtype=torch.uint8) for _ in range(LAYERS)]
+    return vllm_base.CanonicalKVCaches(
+        tensors=[vllm_base.CanonicalKVCacheTensor(t, page) for t in ts],
+        group_data_refs=[[vllm_base.CanonicalKVCacheRef(i, page) for i in range(LAYERS)]]), ts
+
+
+def worker(daemon, tp: int, rank: int, seed: int | None, ns=HEADS_NS, replicated: bool = False):
+    c, ts = caches(HEADS // tp if not replicated else 1, seed)
+    w = KVTierWorker(c, ns, K, daemon.socket, name=f"w-tp{tp}-{rank}",
+                     slices=plan(tp, rank, HEADS, replicated, head_major=True))
+    return w, ts
+
+
+def run(w, job: int, is_load: bool, keys: list[bytes], ids: list[int], first: int = 0):
+    if is_load:
+        w.submit_load(job, KVTierSpecs(keys), gpu_spec(ids, first))
+    else:
+        w.submit_store(job, gpu_spec(ids), KVTierSpecs(keys))
+    return finished(w, {job})[job]
+
+
+def test_every_tp_size_covers_each_head_slice_exactly_once():
+    """For TP 1, 2, 4 over 1, 2, 4, 8 KV heads: the writers of each chunk hold
+    every slice once, and every rank holds a slice set it can load."""
+    for heads, tp in itertools.product((1, 2, 4, 8), (1, 2, 4)):
+        ranks = [plan(tp, r, heads, False, True) for r in range(tp)]
+        assert len({(p.slices, p.tag()) for p in ranks}) == 1  # one namespace for every rank and TP size
+        assert ranks[0].slices == heads
+        for key in (bytes([b]) * 16 for b in range(8)):
+            written = sorted(s for p in ranks if p.writes(key) for s in range(p.first, p.first + p.count))
+            assert written == list(range(heads)), (heads, tp, written)
+
+
+def test_a_tp1_store_loads_into_both_ranks_of_a_tp2_engine_byte_exactly(daemon):
+    one, full = worker(daemon, 1, 0, seed=1)
+    r0, got0 = worker(daemon, 2, 0, seed=None)
+    r1, got1 = worker(daemon, 2, 1, seed=None)
+    keys = [kvtier_key(k) for k in offload_keys(2)]
+    try:
+        assert run(one, 1, False, keys, [4, 5, 6, 7]).success
+        # The request's first block is already computed: blocks 1..3 of the two chunks.
+        for w in (r0, r1):
+            assert run(w, 2, True, keys, [10, 11, 12], first=1).success
+        for h, got in ((0, got0), (1, got1)):
+            for f, g in zip(full, got):
+                assert torch.equal(g[10:13], f[5:8, h * HEAD_BYTES:(h + 1) * HEAD_BYTES])
+                assert not g[:10].any() and not g[13:].any()
+    finally:
+        for w in (one, r0, r1):
+            w.shutdown()
+
+
+def test_a_tp2_engine_stores_one_copy_that_a_tp1_engine_loads_whole(daemon):
+    r0, src0 = worker(daemon, 2, 0, seed=2)
+    r1, src1 = worker(daemon, 2, 1, seed=3)
+    one, got = worker(daemon, 1, 0, seed=None)
+    keys = [kvtier_key(k) for k in offload_keys(2, salt=1)]
+    try:
+        for w in (r0, r1):
+            assert run(w, 1, False, keys, [0, 1, 2, 3]).success
+        (ns,) = daemon.stats()["namespaces"]
+        assert ns["bytes"] == 2 * K * LAYERS * HEADS * HEAD_BYTES  # one copy: each head once
+        assert run(one, 2, True, keys, [8, 9, 10, 11]).success
+        for g, a, b in zip(got, src0, src1):
+            assert torch.equal(g[8:12], torch.cat([a[0:4], b[0:4]], dim=1))
+    finally:
+        for w in (one, r0, r1):
+            w.shutdown()
+
+
+def test_the_scheduler_hits_a_chunk_only_when_every_head_slice_is_in_the_pool(daemon):
+    """Rank 1 of a TP=2 engine has not stored yet: a TP=1 engine's lookup
+    misses (it could not load head 1). Once rank 1 stored, it hits."""
+    r0, _ = worker(daemon, 2, 0, seed=4)
+    r1, _ = worker(daemon, 2, 1, seed=5)
+    sched = KVTierManager(HEADS_NS, LAYERS * HEAD_BYTES, K, daemon.socket, name="sched",
+                          slices=plan(1, 0, HEADS, False, True))
+    okeys = offload_keys(2, salt=2)
+    keys = [kvtier_key(k) for k in okeys]
+    try:
+        assert run(r0, 1, False, keys, [0, 1, 2, 3]).success
+        sched.prefetch("a", okeys)
+        assert [sched.lookup(k, req("a")) for k in okeys] == [vllm_base.LookupResult.MISS] * 2
+        assert run(r1, 1, False, keys[:1], [0, 1]).success  # head 1 of the first chunk only
+        sched.on_schedule_end(None)
+        sched.prefetch("b", okeys)
+        assert [sched.lookup(k, req("b")) for k in okeys] == [vllm_base.LookupResult.HIT,
+                                                             vllm_base.LookupResult.MISS]
+    finally:
+        sched.shutdown()
+        r0.shutdown()
+        r1.shutdown()
+
+
+def test_replicated_kv_is_stored_once_by_the_ranks_and_loaded_by_each(daemon):
+    """MLA: both ranks hold the same latent; each chunk is copied by one of
+    them (pool bytes = one copy, not two) and both load it back exactly."""
+    r0, src = worker(daemon, 2, 0, seed=6, ns=MLA_NS, replicated=True)
+    r1, twin = worker(daemon, 2, 1, seed=6, ns=MLA_NS, replicated=True)
+    keys = [kvtier_key(k) for k in offload_keys(8, salt=3)]
+    page = HEAD_BYTES  # one "head": the latent row of a block
+    try:
+        copied = [run(w, 1, False, keys, list(range(K * len(keys)))) for w in (r0, r1)]
+        assert all(r.success for r in copied)
+        (ns,) = daemon.stats()["namespaces"]
+        assert ns["bytes"] == len(keys) * K * LAYERS * page
+        # Each chunk was copied by one rank only (not stored twice and deduplicated).
+        assert sum(r.transfer_size or 0 for r in copied) == ns["bytes"]
+        assert all(r.transfer_size for r in copied), "the writes are spread over both ranks"
+        for w, dst in ((r0, src), (r1, twin)):
+            for t in dst:
+                t.zero_()
+            assert run(w, 2, True, keys[:4], list(range(8))).success
+        for a, b, orig in zip(src, twin, caches(1, seed=6)[1]):
+            assert torch.equal(a[:8], orig[:8]) and torch.equal(b[:8], orig[:8])
+    finally:
+        r0.shutdown()
+        r1.shutdown()
