@@ -284,7 +284,7 @@ class DiskIO:
                         why = "payload checksum mismatch"
                 finally:
                     dest.release()
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the pool has it now
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the pool has it now
         except OSError as exc:
             job.failed.append(i)
             job.bad.append(i)
