@@ -163,6 +163,8 @@ def build(args):
         kw["kv_transfer_config"] = KVTransferConfig(**vllm_offline.kv_transfer_config(args.socket, args.block_size))
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.tp > 1:  # one worker process per rank (vLLM's CPU build: bind each with VLLM_CPU_OMP_THREADS_BIND="0|1")
+        kw["tensor_parallel_size"] = args.tp
     return LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype,
                block_size=args.block_size, max_model_len=args.max_model_len, seed=0, max_num_seqs=args.max_num_seqs,
                disable_log_stats=False, gpu_memory_utilization=args.mem_util, **kw)
@@ -233,6 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--mem-util", type=float, default=0.3)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (worker processes)")
     serve(ap.parse_args(argv))
     return 0
 
