@@ -26,8 +26,8 @@ Failures are values: a refused or failed transfer comes back as a
 ``TransferResult`` with failed blocks (the engine recomputes), never an
 exception on the data path.
 
-Primitives: ``EngineKV(tensors, block_dims, client, namespace, block_factor, stream)``
-with ``enabled``/``refusal``/``on_gpu``, ``store``, ``load``, ``landed``,
+Primitives: ``EngineKV(tensors, block_dims, client, namespace, block_factor, stream, defer)``
+with ``enabled``/``refusal``/``on_gpu``/``registered``, ``register_when_connected``, ``store``, ``load``, ``landed``,
 ``offload``, ``restore``, ``submit``, ``fail``, ``finished``, ``held``, ``wait``, ``close``;
 ``Finished``; ``kv_device(tensors)``.
 """
@@ -72,23 +72,50 @@ def kv_device(tensors: Sequence) -> str:
 
 class EngineKV:
     def __init__(self, tensors: Sequence, block_dims: Sequence[int], client: Client,
-                 namespace: Namespace, block_factor: int = 1, stream=None):
+                 namespace: Namespace, block_factor: int = 1, stream=None, defer: bool = False):
         """Export ``tensors`` and register them. ``stream``: the CUDA stream the
         engine's kernels run on (default: the device's current stream at each
-        call). Owns ``client`` from here on (``close`` closes it)."""
+        call). Owns ``client`` from here on (``close`` closes it).
+
+        ``defer``: while the client has no daemon, leave the tensors where the
+        engine put them (no copy into shared memory, no registration: an
+        engine without a daemon runs on its own memory) and do both at the
+        first ``register_when_connected`` that finds the client connected.
+        Until then every transfer fails at once, as with no daemon."""
         tensors = list(tensors)
         self.on_gpu = kv_device(tensors) == "cuda"
         self.client, self.block_factor, self._stream = client, block_factor, stream
         self.device = tensors[0].device
-        self.kv = self._export(tensors)
+        self.kv = None
         self.refusal: KVTierError | None = None
+        self._jobs: dict[int, _Job] = {}
+        self._done: list[Finished] = []
+        self._pending: tuple | None = (tensors, list(block_dims), namespace)
+        if not defer or client.connected:
+            self._register()
+
+    def _register(self) -> None:
+        tensors, block_dims, namespace = self._pending
+        self._pending = None
+        self.kv = self._export(tensors)
         try:
-            client.register_kv_cache(self.kv, list(block_dims), namespace, block_factor=block_factor)
+            self.client.register_kv_cache(self.kv, block_dims, namespace, block_factor=self.block_factor)
         except KVTierError as exc:
             self.refusal = exc
             log.error("kvtier: registration refused (%s); kvtier disabled for this cache", exc)
-        self._jobs: dict[int, _Job] = {}
-        self._done: list[Finished] = []
+
+    @property
+    def registered(self) -> bool:
+        """The tensors were handed to a daemon (False while ``defer`` holds them back)."""
+        return self._pending is None
+
+    def register_when_connected(self) -> bool:
+        """With ``defer``: once the client is connected, export and register the
+        tensors (a CPU cache's storage moves: call it where nothing reads or
+        writes them, between engine steps). True once registered."""
+        if self._pending is not None and self.client.connected:
+            self._register()
+        return self._pending is None
 
     @property
     def enabled(self) -> bool:
@@ -119,8 +146,8 @@ class EngineKV:
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> TransferHandle:
         """Copy engine blocks into the pool. CUDA: fenced after every kernel
         queued so far on the engine's stream (those wrote the blocks)."""
-        if not self.enabled:
-            return _refused(len(hashes), self.refused)
+        if self._unusable():
+            return _refused(len(hashes), self._unusable())
         return self.client.store(hashes, block_ids, stream=self.stream())
 
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0,
@@ -129,8 +156,8 @@ class EngineKV:
         before the engine reads them. CUDA: the daemon writes only after the
         kernels queued so far on the engine's stream (they may still read the
         blocks' previous contents)."""
-        if not self.enabled:
-            return _refused(len(hashes), self.refused)
+        if self._unusable():
+            return _refused(len(hashes), self._unusable())
         return self.client.load(hashes, block_ids, skip, stream=self.stream(), prefix=prefix)
 
     def landed(self, handle: TransferHandle) -> TransferResult:
@@ -141,14 +168,24 @@ class EngineKV:
     def offload(self, tables: Mapping[str, Sequence[int]]) -> TransferHandle:
         """Swap requests' blocks out (``Client.offload``); CUDA: the engine's
         stream is synchronised first, since swap messages carry no fence."""
+        if self._unusable():
+            return _refused(len(tables), self._unusable(), tuple(tables))
         self._quiesce()
         return self.client.offload(dict(tables))
 
     def restore(self, request_id: str, block_ids: Sequence[int]) -> TransferHandle:
         """Swap a request back in (``Client.restore``); CUDA: the engine's
         stream is synchronised first (earlier kernels may still use the blocks)."""
+        if self._unusable():
+            return _refused(len(block_ids), self._unusable())
         self._quiesce()
         return self.client.restore(request_id, block_ids)
+
+    def _unusable(self) -> str:
+        """Why no transfer can be sent now ("" if one can)."""
+        if self._pending is not None:
+            return "no daemon connected yet (the cache is registered when one is)"
+        return self.refused and f"kvtier disabled: {self.refused}"
 
     def _quiesce(self) -> None:
         if self.on_gpu:
@@ -198,13 +235,14 @@ class EngineKV:
         self.wait(list(self._jobs))
         self._jobs.clear()
         self.client.close()
-        self.kv.close()
+        if self.kv is not None:
+            self.kv.close()
 
 
 def _failed(count: int, why: str) -> TransferResult:
     return TransferResult(0, 0, tuple(range(count)), False, why)
 
 
-def _refused(count: int, why: str) -> TransferHandle:
-    """A handle that is done at once with every block failed (nothing was sent)."""
-    return TransferHandle(None, 0, count, 0.0, _failed(count, f"kvtier disabled: {why}"))
+def _refused(count: int, why: str, names: tuple[str, ...] = ()) -> TransferHandle:
+    """A handle that is done at once with every block (request) failed: nothing was sent."""
+    return TransferHandle(None, 0, count, 0.0, TransferResult(0, 0, tuple(range(count)), False, why, names), names)

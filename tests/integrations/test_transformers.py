@@ -252,3 +252,44 @@ def test_a_daemon_killed_with_stores_in_flight_changes_no_token(reference, daemo
             results[out.request_id] = out
     assert [results[i].generated_tokens for i in ids] == [reference(p) for p in PROMPTS]
     assert not cb.tier or not cb.tier.stores
+
+
+def kv_mapping(tensor) -> str:
+    """The /proc/self/maps name of the mapping under ``tensor``'s storage ("" for anonymous memory)."""
+    addr = tensor.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return rest[4].strip() if len(rest) > 4 else ""
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_an_engine_started_without_a_daemon_runs_on_its_own_memory_until_one_appears(
+        model, reference, daemon_factory, tmp_path):
+    """With no daemon at its socket the engine does nothing kvtier would do: its
+    paged cache stays in HF's own memory (not moved into shared memory), nothing is
+    stored. Once a daemon starts there, the client finds it in the background
+    and, between two steps, the cache moves into shared memory and is
+    registered: the next requests are stored, a second process loads their
+    prefix, and every token is ``model.generate``'s throughout."""
+    socket = str(tmp_path / "later.sock")
+    with KVTierContinuousBatchingManager(model, greedy(), tight_cache(), model_id=MODEL_ID, socket=socket) as cb:
+        before = cb.generate(PROMPTS, timeout=300)
+        cache = cb.batch_processor.cache.cache_tensor
+        assert "kvtier" not in kv_mapping(cache) and not cb.tier.engine.registered
+        assert cb.counters.stored_blocks == 0 and cb.counters.prefix_lookups == 0, cb.counters
+        d = daemon_factory(socket=socket)
+        deadline = time.monotonic() + 60
+        while not cb.tier.client.connected and time.monotonic() < deadline:
+            time.sleep(0.05)  # the keeper stats the socket file once a heartbeat period
+        assert cb.tier.client.connected, "the client never found the daemon"
+        after = cb.generate(FIRST_ENGINE, timeout=300)
+        assert cb.tier.engine.registered and "kvtier" in kv_mapping(cache)
+    assert [o.generated_tokens for o in before] == [reference(p) for p in PROMPTS]
+    assert [o.generated_tokens for o in after] == [reference(p) for p in FIRST_ENGINE]
+    assert cb.counters.stored_blocks >= len(DOCUMENT) // PAGE, cb.counters
+    second = in_child(d.socket, SECOND_ENGINE)
+    assert second["tokens"] == [reference(p) for p in SECOND_ENGINE]
+    assert second["counters"]["loaded_tokens"] >= len(DOCUMENT), second["counters"]

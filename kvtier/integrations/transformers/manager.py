@@ -10,8 +10,9 @@ with the local kvtier daemon (a CUDA paged cache is registered in place over
 CUDA IPC instead), ``KVTierOffloadingManager`` replaces HF's
 offloading manager and the ``kvtier`` scheduler gets the tier. Without a
 daemon everything still runs, as plain HF: swapped-out requests are soft
-reset and no prefix comes from kvtier; the client connects (and re-registers)
-when a daemon appears.
+reset and no prefix comes from kvtier, the cache stays in HF's own memory
+(moved and registered only once the client has found a daemon, between two
+steps), and the client re-registers after a daemon restart.
 
 Primitives: ``KVTierContinuousBatchingManager``, ``generate_batch``.
 """

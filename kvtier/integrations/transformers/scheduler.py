@@ -2,7 +2,8 @@
 
 Selected with ``ContinuousBatchingConfig(scheduler_type="kvtier")`` (the name
 is registered in HF's public ``SCHEDULER_MAPPING`` on import). With no tier
-attached it is HF's FIFO scheduler, unchanged.
+attached, or a tier with no daemon (``tier.live`` False: nothing is hashed,
+looked up or stored), it is HF's FIFO scheduler, unchanged.
 
 - **Restore before scheduling.** HF restores swapped requests after the batch
   is fixed and has no way back if the copy fails. Here the swapped request's
@@ -47,6 +48,7 @@ class KVTierScheduler(FIFOScheduler):
     def schedule_batch(self, token_budget: int, cache_budget: int):
         tier = self.tier
         if tier is not None:
+            tier.register_when_connected()
             self.release_blocks(tier)
         batch = super().schedule_batch(token_budget, cache_budget)
         if batch[0] is None and tier is not None and tier.stores:
@@ -65,6 +67,8 @@ class KVTierScheduler(FIFOScheduler):
             restored = self._restore(tier, state, removed)
             if restored is not False:  # restored, or no room yet: HF's path takes it from here
                 return super()._infer_request_tokens(state, removed)
+        if not tier.live:  # no daemon: nothing to look up (no hashing either)
+            return super()._infer_request_tokens(state, removed)
         # A fresh prompt (possibly a soft reset just now)
         prompt = state.remaining_prefill_tokens
         super()._infer_request_tokens(state, removed)  # HF's in-process prefix match first
@@ -74,7 +78,7 @@ class KVTierScheduler(FIFOScheduler):
 
     def finish_request(self, request_id: str) -> None:
         state = self.active_requests.get(request_id)
-        if self.tier is not None and state is not None and state.status == RequestStatus.FINISHED:
+        if self.tier is not None and self.tier.live and state is not None and state.status == RequestStatus.FINISHED:
             self._store(self.tier, state)
         self._pool_blocks.pop(request_id, None)
         self._keys.pop(request_id, None)
@@ -85,8 +89,9 @@ class KVTierScheduler(FIFOScheduler):
         or held for a store (``wait``: every store, once final)."""
         if tier.quarantine:
             self.cache.pool.free_blocks(tier.allocator.index, tier.release_quarantine())
-        for holder in tier.finished_stores(wait):
-            self.cache.free_blocks(holder)
+        if tier.stores:
+            for holder in tier.finished_stores(wait):
+                self.cache.free_blocks(holder)
 
     # ---- swap -------------------------------------------------------------------------
     def _restore(self, tier: "HFKVTier", state: RequestState, removed: set[str]) -> bool | None:

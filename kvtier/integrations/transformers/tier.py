@@ -3,7 +3,11 @@
 Runs in the engine process, on HF's generation thread. ``attach`` registers
 the paged cache tensor through ``EngineKV`` (CPU: its storage moved into shared
 memory; CUDA: in place over CUDA IPC, copies fenced on HF's compute stream) so
-kvtier block ids are HF block ids (rows of the allocator's ``_copy_view``). The scheduler and
+kvtier block ids are HF block ids (rows of the allocator's ``_copy_view``).
+With no daemon at attach, the cache stays in HF's own memory and nothing is
+hashed, looked up or copied (``live`` is False): HF runs as without kvtier.
+``register_when_connected``, called between steps, moves and registers the
+cache once the client's keeper has found a daemon. The scheduler and
 the offloading manager decide *what* to copy; this object does the copy and
 reports the outcome as a value, never an exception: the engine then falls
 back to what plain HF does (recompute).
@@ -17,7 +21,7 @@ not waited for: a finished request's blocks stay allocated under a holder
 entry of HF's block table while the daemon reads them, and
 ``finished_stores`` names the holders HF may free.
 
-Primitives: ``attach``, ``prefix_keys``, ``lookup``, ``load``, ``store``, ``finished_stores``,
+Primitives: ``attach``, ``live``, ``register_when_connected``, ``prefix_keys``, ``lookup``, ``load``, ``store``, ``finished_stores``,
 ``offload``, ``restore``, ``swapped_requests``, ``discard``, ``discard_all``, ``release_quarantine``,
 ``close``.
 """
@@ -98,6 +102,7 @@ class HFKVTier:
                stream=None) -> "HFKVTier":
         """Register ``cache``'s tensor (same tensor objects, same bytes: HF's
         views follow and outputs do not change); block ids are rows of ``_copy_view``.
+        With no daemon connected, only once one is (``register_when_connected``).
         ``stream``: HF's compute stream on CUDA (None: the current stream).
         Raises KVTierError when the daemon refuses it."""
         allocator = next(iter(cache.cache_allocators.values()))
@@ -106,11 +111,22 @@ class HFKVTier:
             raise ValueError("HF's cache tensor is not contiguous: cannot register it")
         rows = flat.numel() // allocator.bytes_per_block
         engine = EngineKV([flat[: rows * allocator.bytes_per_block].view(rows, -1)], [0], client, namespace,
-                          stream=stream)
+                          stream=stream, defer=True)
         if engine.refusal is not None:
             engine.close()
             raise engine.refusal
         return cls(engine, cache, namespace)
+
+    @property
+    def live(self) -> bool:
+        """A daemon holds this cache's registration now: worth hashing, looking up, copying."""
+        return self.engine.registered and self.engine.enabled and self.client.connected
+
+    def register_when_connected(self) -> None:
+        """Between steps (HF reads and writes no block): a daemon the client
+        found since ``attach`` gets the cache (moved into shared memory first)."""
+        if not self.engine.registered and self.engine.register_when_connected():
+            log.info("kvtier: daemon connected; the paged cache is registered now")
 
     # ---- prefix tier ---------------------------------------------------------------
     def prefix_keys(self, tokens: Sequence[int]) -> list[bytes]:
@@ -119,7 +135,7 @@ class HFKVTier:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         self.counters.prefix_lookups += 1
-        return self.client.lookup(keys) if keys else 0
+        return self.client.lookup(keys) if keys and self.live else 0
 
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Copy pool blocks into engine blocks; the number of *leading* blocks
@@ -140,7 +156,7 @@ class HFKVTier:
         still read ``block_ids``: the caller moves those blocks' references
         there (so HF neither frees nor reuses them) and frees the holder once
         ``finished_stores`` names it. None: nothing is being read any more."""
-        if not keys:
+        if not keys or not self.live:
             return None
         handle = self.engine.store(keys, block_ids)
         if handle.done():  # failed at once (no daemon) or already answered
@@ -172,6 +188,9 @@ class HFKVTier:
         finished on return, so HF may hand their blocks to other requests."""
         tables = {rid: list(ids) for rid, ids in tables.items() if ids}
         if not tables:
+            return set()
+        if not self.live:  # no daemon: nothing to send, HF soft-resets them
+            self.counters.soft_resets += len(tables)
             return set()
         result = self.engine.offload(tables).wait()
         if result.error:  # no reply (timeout, daemon gone): a record may exist anyway, drop it by name
