@@ -277,9 +277,10 @@ class DiskBridge:
             if tenant is None or owner == tenant:
                 rows.append({"fingerprint": fingerprint, "blocks": blocks, "bytes": nbytes,
                              **({"tenant": owner} if tenant is None else {})})
-        keys = ("written", "written_bytes", "read", "read_bytes", "rejected", "missing", "enospc", "eio",
+        keys = ("written", "written_bytes", "read", "read_bytes", "read_direct", "rejected", "missing", "enospc", "eio",
                 "read_errors", "errors", "read_expired", "read_late", "unlinked", "scanned", "scan_rejected")
-        out = {"enabled": True, "path": self.io.root, "capacity_bytes": self.dindex.capacity,
+        out = {"enabled": True, "path": self.io.root, "o_direct": self.io.direct,
+               "capacity_bytes": self.dindex.capacity,
                "used_bytes": self.dindex.used, "reserved_bytes": self.dindex.reserved,
                "blocks": len(self.dindex), "dropped": self.dindex.dropped, "queued_bytes": self.queued,
                "queue_bytes": self.queue_bytes, "scanning": self.scanning, "scan_s": round(self.scan_s, 3),

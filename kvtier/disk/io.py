@@ -25,11 +25,12 @@ Primitives: ``DiskIO(root, pool, threads)``, ``.write(items, size, token)``,
 from __future__ import annotations
 
 import errno
+import fcntl
 import heapq
 import itertools
 import logging
+import mmap
 import os
-import stat
 import threading
 import time
 import zlib
@@ -38,12 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..waker import Inbox
-from .format import HEADER_BYTES, TMP_DIR, block_name, decode_header, encode_header, ns_dir, parse_name
+from .files import (ALIGN, OPEN_READ, buffer_address, check_file, direct_io_works, quiet_unlink, read_all, scan,
+                    write_all)
+from .format import HEADER_BYTES, TMP_DIR, block_name, decode_header, encode_header, ns_dir
 
 log = logging.getLogger("kvtier.disk")
-OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-SCAN_BATCH = 4096
 ERRNO_COUNTER = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "eio"}
 
 
@@ -63,24 +64,15 @@ class DiskJob:
     bad: list = field(default_factory=list)     # read: indices whose file must go (corrupt, foreign, gone)
 
 
-def check_file(st: os.stat_result, uid: int, size: int | None = None) -> str:
-    """Why a block file may not be read ("" = it may): another user's file, one
-    others could have written, a non-regular file, or one of the wrong size."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid != uid:
-        return f"owned by uid {st.st_uid}, not the daemon's"
-    if st.st_mode & 0o077:
-        return f"mode {stat.S_IMODE(st.st_mode):o} lets others in"
-    if size is not None and st.st_size != HEADER_BYTES + size:
-        return f"{st.st_size} bytes, expected {HEADER_BYTES + size}"
-    return ""
-
-
 class DiskIO:
-    def __init__(self, root: str, pool, threads: int, fsync: bool = False):
+    def __init__(self, root: str, pool, threads: int, fsync: bool = False, direct: bool | None = None):
         self.root, self.fsync = root, fsync
         self.pool = memoryview(pool).cast("B")
+        self.base = buffer_address(self.pool)
+        # Reads by O_DIRECT (DMA into the pool, no page cache) where the filesystem takes it
+        # and the slot is aligned; buffered otherwise. BENCHMARKS.md, disk tier, has why.
+        self.direct = direct_io_works(os.path.join(root, TMP_DIR)) if direct is None else direct
+        self._local = threading.local()
         self.uid = os.geteuid()
         self.lock = threading.Lock()
         self.counters: Counter = Counter()   # guarded by the lock
@@ -229,7 +221,7 @@ class DiskIO:
         try:
             fd = os.open(tmp, OPEN_WRITE, 0o600)
             try:
-                _write_all(fd, [encode_header(ns_key, key, seq, job.size, crc), payload])
+                write_all(fd, [encode_header(ns_key, key, seq, job.size, crc), payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -242,7 +234,7 @@ class DiskIO:
         except OSError as exc:
             job.failed.append(i)
             self._os_error(tally, f"writing {final}", exc)
-            _quiet_unlink(tmp)
+            quiet_unlink(tmp)
             return
         finally:
             payload.release()
@@ -255,7 +247,7 @@ class DiskIO:
             job.failed.append(i)
             tally["read_late"] += 1
             return
-        why = ""
+        direct = self.direct and (self.base + off) % ALIGN == 0 and job.size % ALIGN == 0
         try:
             fd = os.open(entry.path, OPEN_READ)
         except OSError as exc:
@@ -267,23 +259,10 @@ class DiskIO:
             return
         try:
             why = check_file(os.fstat(fd), self.uid, job.size)
-            if not why:
-                h = decode_header(os.pread(fd, HEADER_BYTES, 0))
-                if isinstance(h, str):
-                    why = h
-                elif (h.ns_key, h.key, h.seq, h.size, h.crc) != (entry.ns_key, entry.key, entry.seq, job.size,
-                                                                  entry.crc):
-                    why = "header names another block"
-            if not why:
-                dest = self.pool[off:off + job.size]
-                try:
-                    n = _read_all(fd, dest, HEADER_BYTES)
-                    if n != job.size:
-                        why = f"payload {n} bytes, expected {job.size}"
-                    elif zlib.crc32(dest) != entry.crc:
-                        why = "payload checksum mismatch"
-                finally:
-                    dest.release()
+            if not why and direct:  # only now: a FIFO or device would refuse O_DIRECT at open
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+            why = why or self._read_verified(fd, entry, off, job.size)
+            if not why and not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the pool has it now
         except OSError as exc:
             job.failed.append(i)
@@ -300,10 +279,32 @@ class DiskIO:
             log.error("disk block %s rejected and deleted: %s", entry.path, why)
             return
         job.ok.append((i, entry.crc))
-        tally.update(read=1, read_bytes=job.size)
+        tally.update(read=1, read_bytes=job.size, read_direct=direct)
+
+    def _read_verified(self, fd: int, entry, off: int, size: int) -> str:
+        """Header and payload in one read (the payload straight into the pool slot;
+        with O_DIRECT by DMA, no page cache), then both checked: why not, or ""."""
+        header = getattr(self._local, "header", None)
+        if header is None:
+            header = self._local.header = mmap.mmap(-1, HEADER_BYTES)  # page-aligned, as O_DIRECT needs
+        dest = self.pool[off:off + size]
+        try:
+            n = read_all(fd, [memoryview(header), dest], 0)
+            if n != HEADER_BYTES + size:
+                return f"read {n} bytes, expected {HEADER_BYTES + size}"
+            h = decode_header(header)
+            if isinstance(h, str):
+                return h
+            if (h.ns_key, h.key, h.seq, h.size, h.crc) != (entry.ns_key, entry.key, entry.seq, size, entry.crc):
+                return "header names another block"
+            if zlib.crc32(dest) != entry.crc:
+                return "payload checksum mismatch"
+            return ""
+        finally:
+            dest.release()
 
     def _unlink_one(self, job: DiskJob, i: int, tally: Counter) -> None:
-        if _quiet_unlink(job.items[i]):
+        if quiet_unlink(job.items[i]):
             tally["unlinked"] += 1
 
     def _clock(self) -> None:
@@ -322,101 +323,13 @@ class DiskIO:
                         self._done.put(("expired", job))
                 self._cv.wait(min(0.05, self._heap[0][0] - now) if self._heap else 0.25)
 
-    # ---- the start-up scan -----------------------------------------------------------------
     def _scan(self) -> None:
         tally: Counter = Counter()
         try:
-            self._clean_tmp()
-            batch = []
-            for entry in self._scan_files(tally):
-                batch.append(entry)
-                if len(batch) >= SCAN_BATCH:
-                    self._done.put(("scan", batch))
-                    batch = []
-            self._done.put(("scan", batch))
+            tally = scan(self.root, self.uid, self._tmp_prefix, self._done.put)
         except Exception:  # a bug: what was found stays found, the rest is not served
             log.exception("disk scan failed")
         finally:
             with self.lock:
                 self.counters.update(tally)
             self._done.put(("scanned", None))
-
-    def _clean_tmp(self) -> None:
-        tmp = os.path.join(self.root, TMP_DIR)
-        for name in os.listdir(tmp):
-            if not name.startswith(self._tmp_prefix):  # an earlier daemon's torn write
-                _quiet_unlink(os.path.join(tmp, name))
-
-    def _scan_files(self, tally: Counter):
-        from .index import DiskEntry
-        for d in sorted(os.listdir(self.root)):
-            path = os.path.join(self.root, d)
-            if d == TMP_DIR or len(d) != 24 or not os.path.isdir(path) or os.path.islink(path):
-                continue
-            for name in os.listdir(path):
-                file = os.path.join(path, name)
-                why, h = self._vet(d, name, file)
-                if why:
-                    tally["scan_rejected"] += 1
-                    log.warning("disk file %s deleted: %s", file, why)
-                    _quiet_unlink(file)
-                    continue
-                tally["scanned"] += 1
-                yield DiskEntry(h.ns_key, h.key, h.seq, h.size, h.crc, file)
-
-    def _vet(self, d: str, name: str, file: str):
-        parsed = parse_name(name)
-        if parsed is None:
-            return "not a block file name", None
-        try:
-            fd = os.open(file, OPEN_READ | os.O_NONBLOCK)  # a FIFO planted here must not hang the scan
-        except OSError as exc:
-            return str(exc), None
-        try:
-            st = os.fstat(fd)
-            why = check_file(st, self.uid)
-            if why:
-                return why, None
-            h = decode_header(os.pread(fd, HEADER_BYTES, 0))
-        except OSError as exc:
-            return str(exc), None
-        finally:
-            os.close(fd)
-        if isinstance(h, str):
-            return h, None
-        if (h.key, h.seq) != parsed or ns_dir(h.ns_key) != d:
-            return "header does not match its name", None
-        if st.st_size != HEADER_BYTES + h.size:
-            return f"{st.st_size} bytes, header says {HEADER_BYTES + h.size}", None
-        return "", h
-
-
-def _write_all(fd: int, bufs: list) -> None:
-    views = [memoryview(b) for b in bufs]
-    offset = 0
-    while views:
-        n = os.pwritev(fd, views, offset)
-        offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def _read_all(fd: int, dest: memoryview, offset: int) -> int:
-    got = 0
-    while got < len(dest):
-        n = os.preadv(fd, [dest[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-def _quiet_unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False

@@ -1,0 +1,379 @@
+#!/usr/bin/env python
+"""The disk tier: load GB/s vs a sequential read of the same bytes, the I/O
+method, and what a disk hit costs a lookup.
+
+    python scripts/bench_disk.py [--bytes 1GiB] [--reps 3] [--threads 1,2,4] [--dir /var/tmp]
+
+1. Loads. A daemon with ``disk_path`` stores ``--bytes`` of 256 KiB blocks
+   and writes them to disk; then, per rep and per ``disk_threads`` value
+   (interleaved), the page cache is dropped (``echo 3 > drop_caches`` as root,
+   else ``POSIX_FADV_DONTNEED`` on every file), a fresh daemon (empty RAM
+   pool) scans the files and an engine loads every block (4 loads of 64
+   blocks in flight): disk -> pool (verified) -> engine memory. Baselines in
+   the same rep, caches dropped before each: ``dd``-style sequential reads
+   with ``O_DIRECT`` (1 MiB requests) of one file holding the same number of
+   bytes on the same filesystem, and one thread reading the block files
+   themselves front to back.
+2. I/O method. The same block files read cold into a pool-sized buffer:
+   buffered ``preadv`` straight into the buffer (what the tier does) vs
+   ``O_DIRECT`` into an aligned bounce buffer + a copy into the buffer, with
+   1/2/4 threads; and writes of the same blocks, with and without ``fsync``.
+3. Lookups. One daemon, one 64-block chain in RAM and one only on disk;
+   client lookups of each alternate (round trip, median us); and the index
+   call alone in process (``BlockIndex.lookup`` with the disk tier off, on
+   with a RAM chain, on with a disk chain).
+
+Output: markdown tables to paste into BENCHMARKS.md, with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from benchlib import add_json_flag, emit, machine_notes, no_system_config, size_list, table
+
+from kvtier.client import Client, Namespace, ShmKVCache
+from kvtier.pool.sizes import format_size
+
+NS = Namespace("bench-disk", "float16", "flashinfer", 16)
+SHAPE = (256, 2, 16, 8, 128)  # 256 engine blocks; 4 layers x 64 KiB = 256 KiB per kvtier block
+LAYERS = 4
+BLOCK = 4 * 2 * 16 * 8 * 128 * 2
+PER_LOAD, IN_FLIGHT = 64, 4
+
+
+def hashes(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag]) + i.to_bytes(7, "little") + bytes(8) for i in range(n)]
+
+
+def daemon(sock: str, disk: str, disk_size: int, pool: int, threads: int = 2):
+    if os.path.exists(sock):
+        os.unlink(sock)
+    env = {**os.environ, "KVTIER_DISK_PATH": disk, "KVTIER_DISK_SIZE": str(disk_size),
+           "KVTIER_DISK_THREADS": str(threads), "KVTIER_DISK_TIMEOUT_S": "60", "KVTIER_RAM_FRACTION": "0.95"}
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size", str(pool),
+                          "--slab-size", "16MiB", "--log-level", "WARNING", *no_system_config()],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"daemon failed: {p.communicate()[1][-2000:]}")
+        if os.path.exists(sock):
+            try:
+                with Client(sock, name="probe", timeout=60) as c:
+                    if not c.stats()["disk"]["scanning"]:
+                        return p
+            except Exception:  # bound but not serving yet
+                pass
+        time.sleep(0.01)
+
+
+def stop(p) -> None:
+    p.send_signal(signal.SIGTERM)
+    p.wait(120)
+
+
+def disk_stats(sock: str) -> dict:
+    with Client(sock, name="probe", timeout=60) as c:
+        return c.stats()["disk"]
+
+
+def block_files(root: str) -> list[str]:
+    return sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".kvb"))
+
+
+def drop_cache(files: list[str]) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "fadvise"
+
+
+# ---- 1. loads ------------------------------------------------------------------------------
+def fill(sock: str, kv, n: int) -> list[bytes]:
+    hs = hashes(n)
+    with Client(sock, name="filler", timeout=120) as c:
+        c.register_kv_cache(kv, [0] * LAYERS, NS)
+        for start in range(0, n, SHAPE[0]):
+            part = hs[start:start + SHAPE[0]]
+            assert c.store(part, list(range(len(part)))).wait().ok
+            while disk_stats(sock)["queued_bytes"]:  # let the write-behind keep up (no block skipped)
+                time.sleep(0.01)
+    return hs
+
+
+def load_all(sock: str, kv, hs: list[bytes]) -> float:
+    with Client(sock, name="engine", timeout=300) as c:
+        c.register_kv_cache(kv, [0] * LAYERS, NS)
+        t0 = time.perf_counter()
+        pending = []
+        for start in range(0, len(hs), PER_LOAD):
+            part = hs[start:start + PER_LOAD]
+            slot = (start // PER_LOAD) % IN_FLIGHT * PER_LOAD
+            if len(pending) >= IN_FLIGHT:
+                r = pending.pop(0).wait()
+                assert r.ok, r
+            pending.append(c.load(part, list(range(slot, slot + len(part)))))
+        for h in pending:
+            r = h.wait()
+            assert r.ok, r
+        return time.perf_counter() - t0
+
+
+def direct_read(path: str, size: int) -> float:
+    buf = mmap.mmap(-1, 2**20)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    t0 = time.perf_counter()
+    off = 0
+    while off < size:
+        n = os.preadv(fd, [buf], off)
+        if n <= 0:
+            break
+        off += n
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def files_read(files: list[str]) -> float:
+    buf = bytearray(BLOCK + 4096)
+    t0 = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+    return time.perf_counter() - t0
+
+
+# ---- 2. I/O method ----------------------------------------------------------------------------
+def read_files(files: list[str], threads: int, how: str) -> float:
+    """``how``: "buffered" (preadv into the pool), "bounce" (O_DIRECT into a buffer, then a copy),
+    "direct" (O_DIRECT into the pool: what the tier does where the filesystem allows)."""
+    pool = mmap.mmap(-1, len(files) * BLOCK)  # page-aligned, as the daemon's pool
+    view = memoryview(pool)
+    it = iter(enumerate(files))
+    lock = threading.Lock()
+
+    def work():
+        bounce = mmap.mmap(-1, BLOCK + 4096)
+        header = memoryview(bounce)[:4096]
+        while True:
+            with lock:
+                item = next(it, None)
+            if item is None:
+                return
+            i, path = item
+            fd = os.open(path, os.O_RDONLY | (0 if how == "buffered" else os.O_DIRECT))
+            dest = view[i * BLOCK:(i + 1) * BLOCK]
+            if how == "bounce":  # the header page and the payload in one aligned read, then copied
+                os.preadv(fd, [bounce], 0)
+                dest[:] = memoryview(bounce)[4096:4096 + BLOCK]
+            else:  # header and payload in one call, the payload straight into the pool
+                os.preadv(fd, [header, dest], 0)
+            if how == "buffered":
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            dest.release()
+    ts = [threading.Thread(target=work) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def write_files(root: str, n: int, fsync: bool) -> float:
+    payload = os.urandom(BLOCK + 4096)
+    os.makedirs(root, exist_ok=True)
+    t0 = time.perf_counter()
+    for i in range(n):
+        tmp, final = os.path.join(root, f"{i}.tmp"), os.path.join(root, f"{i}.kvb")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.pwrite(fd, payload, 0)
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        os.rename(tmp, final)
+    os.sync()  # what was not fsynced is written now: counted, or the comparison would be unfair
+    return time.perf_counter() - t0
+
+
+# ---- 3. lookups --------------------------------------------------------------------------------
+def lookup_round_trips(sock: str, kv, ram: list[bytes], disk: list[bytes], n: int) -> dict:
+    out = {"ram": [], "disk": []}
+    with Client(sock, name="engine", timeout=60) as c:
+        c.register_kv_cache(kv, [0] * LAYERS, NS)
+        assert c.lookup(ram) == len(ram) and c.lookup(disk) == len(disk)
+        for i in range(n):
+            for kind in (("ram", "disk") if i % 2 else ("disk", "ram")):
+                keys = ram if kind == "ram" else disk
+                t0 = time.perf_counter()
+                c.lookup(keys)
+                out[kind].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e6 for k, v in out.items()}
+
+
+def lookup_in_process(n: int) -> dict:
+    """BlockIndex.lookup alone: no socket, no daemon loop (ns per call, median of batches)."""
+    from kvtier.disk.bridge import DiskBridge
+    from kvtier.disk.index import DiskEntry, DiskIndex
+    from kvtier.disk.io import DiskIO
+    from kvtier.pool.allocator import SlabAllocator
+    from kvtier.pool.index import BlockIndex
+    index = BlockIndex(SlabAllocator(64 * 2**20, 2**20))
+    ns = index.namespace("t\x1fbench", 4096)
+    ram, disk = hashes(64, 1), hashes(64, 2)
+    plan = index.prepare_store(ns, ram)
+    index.complete_store(plan)
+    root = tempfile.mkdtemp(prefix="kvtier-bench-lookup-")
+    os.mkdir(os.path.join(root, "tmp"))
+    io = DiskIO(root, bytearray(4096), 1)
+    bridge = DiskBridge(io, DiskIndex(2**40), index, None, None, 1.0, 0)
+    for k in disk:
+        bridge.dindex.add(DiskEntry(ns.fingerprint, k, 1, 4096, 0, ""))
+
+    def per_call(keys, lower) -> float:
+        index.lower = lower
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            for _ in range(100):
+                index.lookup(ns, keys)
+            times.append((time.perf_counter_ns() - t0) / 100)
+        return statistics.median(times)
+    out = {}
+    for _ in range(3):  # interleaved
+        for name, keys, lower in (("ram, tier off", ram, None), ("ram, tier on", ram, bridge),
+                                  ("disk, tier on", disk, bridge), ("miss, tier off", disk, None)):
+            out.setdefault(name, []).append(per_call(keys, lower))
+    io.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return {k: min(v) for k, v in out.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bytes", type=size_list, default=[2**30], help="bytes of blocks on disk (one size)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", default="1,2,4", help="disk_threads values to compare")
+    p.add_argument("--dir", default="/var/tmp", help="a directory on the disk to measure")
+    p.add_argument("--lookups", type=int, default=2000)
+    add_json_flag(p)
+    a = p.parse_args()
+    total = a.bytes[0] // BLOCK // SHAPE[0] * SHAPE[0] * BLOCK
+    n = total // BLOCK
+    threads = [int(t) for t in a.threads.split(",")]
+    work = tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=a.dir)
+    os.chmod(work, 0o700)
+    root, sock = os.path.join(work, "disk"), os.path.join(work, "d.sock")
+    pool = total + 64 * 2**20
+    kv = ShmKVCache([SHAPE] * LAYERS, __import__("torch").float16)
+    for t in kv.tensors:
+        t.normal_()
+    report = {"machine": machine_notes(), "bytes": total, "blocks": n, "block_bytes": BLOCK}
+    load1 = os.getloadavg()
+    try:
+        d = daemon(sock, root, 2 * total, pool)
+        hs = fill(sock, kv, n)
+        s = disk_stats(sock)
+        assert s["written"] == n, s
+        stop(d)
+        files = block_files(root)
+        big = os.path.join(work, "sequential.bin")
+        with open(big, "wb") as f:  # the dd baseline's file: as many bytes, same filesystem
+            for _ in range(total // 2**24):
+                f.write(os.urandom(2**24))
+        rows, how = {t: [] for t in threads}, ""
+        dd, cat = [], []
+        for rep in range(a.reps):
+            for t in (threads if rep % 2 == 0 else threads[::-1]):
+                how = drop_cache(files + [big])
+                d = daemon(sock, root, 2 * total, pool, t)
+                rows[t].append(total / load_all(sock, kv, hs) / 1e9)
+                stop(d)
+            drop_cache(files + [big])
+            dd.append(total / direct_read(big, total) / 1e9)
+            drop_cache(files + [big])
+            cat.append(total / files_read(files) / 1e9)
+        med = statistics.median
+        base_dd, base_cat = med(dd), med(cat)
+        t1 = table(["what", "GB/s (median)", "runs", "vs dd O_DIRECT", "vs reading the files"],
+                   [[f"kvtier load, disk_threads={t}", med(v), ", ".join(f"{x:.2f}" for x in v),
+                     f"{med(v) / base_dd:.0%}", f"{med(v) / base_cat:.0%}"] for t, v in rows.items()]
+                   + [["dd-style O_DIRECT 1 MiB reads, one file", base_dd, ", ".join(f"{x:.2f}" for x in dd),
+                       "100%", ""],
+                      ["one thread reading the block files", base_cat, ", ".join(f"{x:.2f}" for x in cat), "",
+                       "100%"]],
+                   f"Disk-tier loads, {format_size(total)} in {n} blocks of {format_size(BLOCK)}, "
+                   f"cache dropped by {how}")
+        report["loads"] = {"kvtier": rows, "dd": dd, "files": cat, "cache": how}
+
+        method, hows = {}, ("buffered", "bounce", "direct")
+        for rep in range(a.reps):
+            for t in threads:
+                for how_ in (hows if rep % 2 == 0 else hows[::-1]):
+                    drop_cache(files)
+                    method.setdefault((t, how_), []).append(total / read_files(files, t, how_) / 1e9)
+        t2 = table(["threads", "buffered preadv into the pool GB/s", "O_DIRECT into a buffer + copy GB/s",
+                    "O_DIRECT into the pool GB/s", "direct / buffered"],
+                   [[t, med(method[(t, "buffered")]), med(method[(t, "bounce")]), med(method[(t, "direct")]),
+                     f"{med(method[(t, 'direct')]) / med(method[(t, 'buffered')]):.2f}"] for t in threads],
+                   "I/O method: the same block files read cold, no verification (median of reps)")
+        wn = min(n, 1024)
+        writes = {False: [], True: []}
+        for rep in range(a.reps):
+            for fs in ((False, True) if rep % 2 == 0 else (True, False)):
+                out = os.path.join(work, f"w{rep}{int(fs)}")
+                writes[fs].append(wn * BLOCK / write_files(out, wn, fs) / 1e9)
+                shutil.rmtree(out)
+        t3 = table(["writes", "GB/s (median)", "runs"],
+                   [["tmp + rename, no fsync (then one sync)", med(writes[False]),
+                     ", ".join(f"{x:.2f}" for x in writes[False])],
+                    ["tmp + fsync + rename", med(writes[True]), ", ".join(f"{x:.2f}" for x in writes[True])]],
+                   f"Block file writes ({wn} x {format_size(BLOCK)})")
+        report["method"] = {f"{t}-{h}": v for (t, h), v in method.items()}
+        report["writes"] = {"no_fsync": writes[False], "fsync": writes[True]}
+
+        d = daemon(sock, root, 2 * total, pool)  # RAM empty: the first chain is on disk only
+        disk_chain = hs[:64]
+        with Client(sock, name="filler", timeout=60) as c:
+            c.register_kv_cache(kv, [0] * LAYERS, NS)
+            ram_chain = hashes(64, 9)
+            assert c.store(ram_chain, list(range(64))).wait().ok
+        rt = lookup_round_trips(sock, kv, ram_chain, disk_chain, a.lookups)
+        stop(d)
+        ip = lookup_in_process(200)
+        t4 = table(["lookup of 64 blocks", "RAM hits", "disk hits", "disk / RAM"],
+                   [["client round trip, median us", rt["ram"], rt["disk"], f"{rt['disk'] / rt['ram']:.2f}"]],
+                   "What a disk hit adds to a lookup")
+        t5 = table(["BlockIndex.lookup, 64 keys, in process", "ns per call"], [[k, v] for k, v in ip.items()])
+        report["lookups"] = {"round_trip_us": rt, "in_process_ns": ip}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        kv.close()
+    load2 = os.getloadavg()
+    report["loadavg"] = [load1, load2]
+    note = (f"Load average at start {load1[0]:.2f} / {load1[1]:.2f} / {load1[2]:.2f}, at end "
+            f"{load2[0]:.2f} / {load2[1]:.2f} / {load2[2]:.2f}; {os.cpu_count()} CPUs; disk: {a.dir}")
+    emit(report, [note, t1, t2, t3, t4, t5], a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
