@@ -173,6 +173,9 @@ class Daemon:
     def _start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:
         if not config.lookup_index:
             return None
+        if config.disk_path:  # the mirror holds RAM blocks only: its readers would miss every disk hit
+            log.warning("lookup_index is off while the disk tier is on: lookups go over the socket")
+            return None
         if not seqlock_safe():
             log.warning("lookup_index is on but this CPU (%s) lacks x86 memory ordering, which the "
                         "mirror's readers need: lookups go over the socket", platform.machine())
