@@ -12,8 +12,8 @@ method, and what a disk hit costs a lookup.
    blocks in flight): disk -> pool (verified) -> engine memory. Baselines in
    the same rep, caches dropped before each: ``dd``-style sequential reads
    with ``O_DIRECT`` (1 MiB requests) of one file holding the same number of
-   bytes on the same filesystem, and one thread reading the block files
-   themselves front to back.
+   bytes on the same filesystem, the same with 4 streams (fio-style, queue
+   depth 4), and one thread reading the block files themselves front to back.
 2. I/O method. The same block files read cold into a pool-sized buffer:
    buffered ``preadv`` straight into the buffer (what the tier does) vs
    ``O_DIRECT`` into an aligned bounce buffer + a copy into the buffer, with
@@ -137,17 +137,28 @@ def load_all(sock: str, kv, hs: list[bytes]) -> float:
         return time.perf_counter() - t0
 
 
-def direct_read(path: str, size: int) -> float:
-    buf = mmap.mmap(-1, 2**20)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+def direct_read(path: str, size: int, streams: int = 1) -> float:
+    """``dd iflag=direct bs=1M`` (one stream), or fio-style ``streams`` threads each
+    reading its own part: the device at queue depth ``streams``."""
+    part = size // streams // 2**20 * 2**20
+
+    def read(start: int, end: int) -> None:
+        buf = mmap.mmap(-1, 2**20)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        off = start
+        while off < end:
+            n = os.preadv(fd, [buf], off)
+            if n <= 0:
+                break
+            off += n
+        os.close(fd)
+    ts = [threading.Thread(target=read, args=(i * part, size if i == streams - 1 else (i + 1) * part))
+          for i in range(streams)]
     t0 = time.perf_counter()
-    off = 0
-    while off < size:
-        n = os.preadv(fd, [buf], off)
-        if n <= 0:
-            break
-        off += n
-    os.close(fd)
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
     return time.perf_counter() - t0
 
 
@@ -161,10 +172,10 @@ def files_read(files: list[str]) -> float:
 
 
 # ---- 2. I/O method ----------------------------------------------------------------------------
-def read_files(files: list[str], threads: int, how: str) -> float:
+def read_files(files: list[str], threads: int, how: str, pool: mmap.mmap) -> float:
     """``how``: "buffered" (preadv into the pool), "bounce" (O_DIRECT into a buffer, then a copy),
-    "direct" (O_DIRECT into the pool: what the tier does where the filesystem allows)."""
-    pool = mmap.mmap(-1, len(files) * BLOCK)  # page-aligned, as the daemon's pool
+    "direct" (O_DIRECT into the pool: what the tier does where the filesystem allows).
+    ``pool``: page-aligned and prefaulted, as the daemon's."""
     view = memoryview(pool)
     it = iter(enumerate(files))
     lock = threading.Lock()
@@ -300,7 +311,7 @@ def main() -> int:
             for _ in range(total // 2**24):
                 f.write(os.urandom(2**24))
         rows, how = {t: [] for t in threads}, ""
-        dd, cat = [], []
+        dd, fio, cat = [], [], []
         for rep in range(a.reps):
             for t in (threads if rep % 2 == 0 else threads[::-1]):
                 how = drop_cache(files + [big])
@@ -310,26 +321,30 @@ def main() -> int:
             drop_cache(files + [big])
             dd.append(total / direct_read(big, total) / 1e9)
             drop_cache(files + [big])
+            fio.append(total / direct_read(big, total, 4) / 1e9)
+            drop_cache(files + [big])
             cat.append(total / files_read(files) / 1e9)
         med = statistics.median
-        base_dd, base_cat = med(dd), med(cat)
-        t1 = table(["what", "GB/s (median)", "runs", "vs dd O_DIRECT", "vs reading the files"],
-                   [[f"kvtier load, disk_threads={t}", med(v), ", ".join(f"{x:.2f}" for x in v),
-                     f"{med(v) / base_dd:.0%}", f"{med(v) / base_cat:.0%}"] for t, v in rows.items()]
-                   + [["dd-style O_DIRECT 1 MiB reads, one file", base_dd, ", ".join(f"{x:.2f}" for x in dd),
-                       "100%", ""],
-                      ["one thread reading the block files", base_cat, ", ".join(f"{x:.2f}" for x in cat), "",
-                       "100%"]],
+        base_dd, base_fio, base_cat = med(dd), med(fio), med(cat)
+        runs = lambda v: ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
+        t1 = table(["what", "GB/s (median)", "runs", "vs dd", "vs fio-style x4", "vs reading the files"],
+                   [[f"kvtier load, disk_threads={t}", med(v), runs(v), f"{med(v) / base_dd:.0%}",
+                     f"{med(v) / base_fio:.0%}", f"{med(v) / base_cat:.0%}"] for t, v in rows.items()]
+                   + [["dd: O_DIRECT 1 MiB reads, one stream, one file", base_dd, runs(dd), "100%", "", ""],
+                      ["fio-style: 4 streams of the same", base_fio, runs(fio), "", "100%", ""],
+                      ["one thread reading the block files (buffered)", base_cat, runs(cat), "", "", "100%"]],
                    f"Disk-tier loads, {format_size(total)} in {n} blocks of {format_size(BLOCK)}, "
                    f"cache dropped by {how}")
-        report["loads"] = {"kvtier": rows, "dd": dd, "files": cat, "cache": how}
+        report["loads"] = {"kvtier": rows, "dd": dd, "fio4": fio, "files": cat, "cache": how}
 
         method, hows = {}, ("buffered", "bounce", "direct")
+        pool_buf = mmap.mmap(-1, len(files) * BLOCK)
+        pool_buf.write(bytes(len(files) * BLOCK))  # prefaulted, as the daemon's pool is
         for rep in range(a.reps):
             for t in threads:
                 for how_ in (hows if rep % 2 == 0 else hows[::-1]):
                     drop_cache(files)
-                    method.setdefault((t, how_), []).append(total / read_files(files, t, how_) / 1e9)
+                    method.setdefault((t, how_), []).append(total / read_files(files, t, how_, pool_buf) / 1e9)
         t2 = table(["threads", "buffered preadv into the pool GB/s", "O_DIRECT into a buffer + copy GB/s",
                     "O_DIRECT into the pool GB/s", "direct / buffered"],
                    [[t, med(method[(t, "buffered")]), med(method[(t, "bounce")]), med(method[(t, "direct")]),

@@ -229,9 +229,10 @@ class DiskBridge:
         for j, _ in job.ok:
             self.dindex.touch(job.items[j][0])
         bad = [job.items[j][0] for j in job.bad]
-        for entry in bad:
-            self.dindex.remove(entry)
-        self._unlink(bad)
+        for e in bad:
+            if self.dindex.remove(e):  # not yet dropped for room or flushed: announce it
+                self.index.record("disk_removed", e.ns_key, e.key)
+        self.io.unlink([e.path for e in bad])  # each write's own file (its seq is in the name)
         self.counters.update(loaded=len(job.ok), load_failed=len(failed), late=len(job.ok) if p.answered else 0)
         self._answer(p, job)
 

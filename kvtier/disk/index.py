@@ -79,13 +79,12 @@ class DiskIndex:
         """Index a complete file. Of two copies of one block the newer stays; the
         other is returned for unlinking (a write racing the start-up scan).
         ``shrink=False``: files found at start, in no order yet (see ``resort``)."""
-        entries = self.namespaces.setdefault(entry.ns_key, {})
-        old = entries.get(entry.key)
+        old = self.namespaces.get(entry.ns_key, {}).get(entry.key)
         if old is not None:
             if old.seq >= entry.seq:
                 return [entry]
-            self.remove(old)
-        entries[entry.key] = entry
+            self.remove(old)  # may forget the namespace's map: taken again below
+        self.namespaces.setdefault(entry.ns_key, {})[entry.key] = entry
         self._order[entry] = None
         self.used += entry.file_bytes
         return ([old] if old is not None else []) + (self.shrink() if shrink else [])

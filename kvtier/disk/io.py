@@ -111,6 +111,7 @@ class DiskIO:
         job = self._queue(self._reads, DiskJob("read", token, items, size, deadline))
         with self._cv:
             heapq.heappush(self._heap, (deadline, id(job), job))
+            self._cv.notify_all()  # the clock sleeps while no read is pending
         return job
 
     def unlink(self, paths: list[str]) -> None:
@@ -140,8 +141,9 @@ class DiskIO:
         with self._cv:
             self._closing = True
             self._cv.notify_all()
+        end = time.monotonic() + 5  # a thread stuck in a hung read is left behind (the pool stays mapped)
         for t in self._threads:
-            t.join(timeout=10)
+            t.join(timeout=max(0.0, end - time.monotonic()))
         self._done.close()
         if not any(t.is_alive() for t in self._threads):
             self.pool.release()  # the pool's owner may unmap it now
@@ -230,7 +232,11 @@ class DiskIO:
             if directory not in self._dirs:
                 os.makedirs(directory, mode=0o700, exist_ok=True)
                 self._dirs.add(directory)
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except FileNotFoundError:  # its directory was removed behind our back: make it again
+                os.makedirs(directory, mode=0o700, exist_ok=True)
+                os.rename(tmp, final)
         except OSError as exc:
             job.failed.append(i)
             self._os_error(tally, f"writing {final}", exc)
@@ -321,7 +327,7 @@ class DiskIO:
                         job.expired = True
                         self.counters["read_expired"] += 1
                         self._done.put(("expired", job))
-                self._cv.wait(min(0.05, self._heap[0][0] - now) if self._heap else 0.25)
+                self._cv.wait(min(0.05, self._heap[0][0] - now) if self._heap else None)
 
     def _scan(self) -> None:
         tally: Counter = Counter()
