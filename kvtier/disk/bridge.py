@@ -43,11 +43,12 @@ SEP = "\x1f"  # daemon.tenancy.SEP: a namespace key is "tenant SEP fingerprint"
 
 
 class PendingLoad:
-    __slots__ = ("identity", "req_id", "msg", "plan", "present", "count", "got", "answered", "cancelled")
+    """A load waiting for disk reads: its own, and reads other loads started for blocks it needs."""
+    __slots__ = ("identity", "req_id", "msg", "present", "count", "waits", "answered", "cancelled")
 
-    def __init__(self, identity, req_id, msg, plan, present, count, got):
-        self.identity, self.req_id, self.msg, self.plan = identity, req_id, msg, plan
-        self.present, self.count, self.got = present, count, got  # got: plan indices read, in job order
+    def __init__(self, identity, req_id, msg, present, count, waits):
+        self.identity, self.req_id, self.msg = identity, req_id, msg
+        self.present, self.count, self.waits = present, count, waits
         self.answered = self.cancelled = False
 
 
@@ -64,8 +65,9 @@ class DiskBridge:
         self.queued = 0                 # write-behind bytes held in the pool
         self.writing: set = set()       # (ns key, block key) being written
         self.generation: Counter = Counter()  # ns key -> flushes: a write finishing after one is dropped
-        self.loads: dict = {}           # read job -> PendingLoad
-        self.by_request: dict = {}      # (identity, request id) -> read job
+        self.loads: dict = {}           # read job -> [PendingLoad waiting for it]
+        self.reading: dict = {}         # (ns key, block key) -> the read job bringing it into the pool
+        self.by_request: dict = {}      # (identity, request id) -> PendingLoad
         self.local_only: set = set()    # (identity, request id) of loads being re-run after the reads
         self.scanning = True
         self.scan_started = time.monotonic()
@@ -156,52 +158,67 @@ class DiskBridge:
     def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes]) -> bool:
         if (identity, req_id) in self.local_only:
             return False
-        on_disk = self.dindex.namespaces.get(ns.fingerprint)
+        fp = ns.fingerprint
+        on_disk = self.dindex.namespaces.get(fp)
         if on_disk is None:
             return False
-        entries, ready = ns.entries, ns.ready_map
-        if msg.prefix:  # only the chain's prefix is wanted: read the disk blocks in it
-            wanted = []
-            for k in keys:
-                if k in ready:
-                    continue
-                if k not in on_disk or k in entries:
-                    break
+        entries, ready, reading = ns.entries, ns.ready_map, self.reading
+        wanted, waits = [], set()  # to read; reads in flight for other loads that this one waits for
+        for k in (keys if msg.prefix else dict.fromkeys(keys)):
+            job = reading.get((fp, k))
+            if job is not None:
+                waits.add(job)
+            elif k in on_disk and k not in entries:
                 wanted.append(k)
-        else:
-            wanted = [k for k in dict.fromkeys(keys) if k in on_disk and k not in entries]
-        if not wanted:
+            elif msg.prefix and k not in ready:
+                break  # only the chain's prefix is wanted: read the disk blocks in it
+        if not wanted and not waits:
             return False
-        if self.io.stalled(self.timeout_s):
+        if wanted and self.io.stalled(self.timeout_s):
             self.counters["fail_fast"] += len(wanted)
-            return False
+            wanted = []
+            if not waits:
+                return False
         present = [e for e in map(entries.get, keys) if e is not None and e.state == READY]
         # Held so that room made for the blocks read is not taken from this very chain.
         self.index.pin(present)
+        if wanted:
+            job = self._read_into_pool(ns, on_disk, wanted)
+            if job is not None:
+                waits.add(job)
+        if not waits:
+            self.index.unpin(present)
+            return False
+        p = PendingLoad(identity, req_id, msg, present, len(keys), waits)
+        for job in waits:
+            self.loads[job].append(p)
+        self.by_request[(identity, req_id)] = p
+        return True
+
+    def _read_into_pool(self, ns, on_disk: dict, wanted: list):
+        """Slots for ``wanted`` (invisible until read and verified) and the job reading them, or None."""
         plan = self.index.prepare_store(ns, wanted)
         got = [i for i, e in enumerate(plan.entries) if e is not None]
         if not got:
             self.index.complete_store(plan, failed=range(len(plan.entries)))
-            self.index.unpin(present)
             self.counters["no_room"] += len(wanted)
-            return False
+            return None
         items = [(on_disk[plan.entries[i].key], plan.entries[i].offset) for i in got]
-        job = self.io.read(items, ns.block_bytes, "read", time.monotonic() + self.timeout_s)
-        self.loads[job] = PendingLoad(identity, req_id, msg, plan, present, len(keys), got)
-        self.by_request[(identity, req_id)] = job
-        return True
+        job = self.io.read(items, ns.block_bytes, (plan, got), time.monotonic() + self.timeout_s)
+        self.loads[job] = []
+        self.reading.update(((ns.fingerprint, plan.entries[i].key), job) for i in got)
+        return job
 
     def cancel(self, identity: bytes, req_id: int) -> bool:
         """The client cancels a load waiting on the disk: answered failed now, nothing copied."""
-        job = self.by_request.get((identity, req_id))
-        if job is None:
+        p = self.by_request.get((identity, req_id))
+        if p is None:
             return False
-        p = self.loads[job]
         p.cancelled = True
-        self._answer(p, job)
+        self._answer(p)
         return True
 
-    def _answer(self, p: PendingLoad, job) -> None:
+    def _answer(self, p: PendingLoad) -> None:
         if p.answered:
             return
         p.answered = True
@@ -217,15 +234,18 @@ class DiskBridge:
             self.local_only.discard((p.identity, p.req_id))
 
     def _read(self, job) -> None:
-        """The reads returned: commit what verified, forget files that did not, answer if not yet."""
-        p = self.loads.pop(job)
+        """The reads returned: commit what verified, forget files that did not, answer the loads
+        that waited for nothing else."""
+        plan, got = job.token
         failed = set(job.failed)
-        self.index.complete_store(p.plan, failed=[p.got[j] for j in failed])
-        good = [(p.plan.entries[p.got[j]].offset, crc) for j, crc in job.ok]
+        self.index.complete_store(plan, failed=[got[j] for j in failed])
+        for i in got:
+            self.reading.pop((plan.ns.fingerprint, plan.entries[i].key), None)
+        good = [(plan.entries[got[j]].offset, crc) for j, crc in job.ok]
         if self.crcs is not None:
             self.crcs.update(good)
         if self.journal is not None and good:
-            self.journal.committed(p.plan, good)
+            self.journal.committed(plan, good)
         for j, _ in job.ok:
             self.dindex.touch(job.items[j][0])
         bad = [job.items[j][0] for j in job.bad]
@@ -233,8 +253,13 @@ class DiskBridge:
             if self.dindex.remove(e):  # not yet dropped for room or flushed: announce it
                 self.index.record("disk_removed", e.ns_key, e.key)
         self.io.unlink([e.path for e in bad])  # each write's own file (its seq is in the name)
-        self.counters.update(loaded=len(job.ok), load_failed=len(failed), late=len(job.ok) if p.answered else 0)
-        self._answer(p, job)
+        waiting = self.loads.pop(job)
+        self.counters.update(loaded=len(job.ok), load_failed=len(failed),
+                             late=len(job.ok) if job.expired else 0)
+        for p in waiting:
+            p.waits.discard(job)
+            if not p.waits:
+                self._answer(p)
 
     # ---- completions -------------------------------------------------------------------------
     def poll(self) -> None:
@@ -250,11 +275,10 @@ class DiskBridge:
                          self.dindex.used, self.io.root, self.scan_s)
             elif job.kind == "write":
                 self._written(job)
-            elif what == "expired":
-                p = self.loads.get(job)
-                if p is not None:
-                    self.counters["timed_out"] += len(job.items)
-                    self._answer(p, job)
+            elif what == "expired":  # the loads waiting for it go on without its blocks
+                self.counters["timed_out"] += len(job.items)
+                for p in self.loads.get(job, ()):
+                    self._answer(p)
             else:
                 self._read(job)
 
@@ -285,7 +309,7 @@ class DiskBridge:
                "used_bytes": self.dindex.used, "reserved_bytes": self.dindex.reserved,
                "blocks": len(self.dindex), "dropped": self.dindex.dropped, "queued_bytes": self.queued,
                "queue_bytes": self.queue_bytes, "scanning": self.scanning, "scan_s": round(self.scan_s, 3),
-               "loads_waiting": len(self.loads), "namespaces": rows,
+               "loads_waiting": len(self.by_request), "reads_in_flight": len(self.loads), "namespaces": rows,
                **{k: io.get(k, 0) for k in keys}, **{k: self.counters[k] for k in (
                    "queue_full", "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",
                    "timed_out", "no_room", "late")},

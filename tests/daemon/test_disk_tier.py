@@ -108,6 +108,32 @@ def test_a_load_mixing_ram_and_disk_blocks_gets_both_and_a_prefix_load_reads_the
         assert all(torch.equal(a, b) for a, b in zip(want_old, block_bytes(kv, range(16))))
 
 
+def test_two_engines_loading_the_same_disk_prefix_at_once_both_get_it_read_once(daemon_factory, tmp_path):
+    env = disk_env(tmp_path / "disk", "16MiB", disk_threads=1)
+    kv = make_kv(seed=7)
+    hs = chain(7, 32)
+    first = daemon_factory(env=env)
+    with first.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        assert c.store(hs, list(range(32))).wait().ok
+        assert written(first, 32)
+    want = block_bytes(kv, range(32))
+    first.stop()
+    d = daemon_factory(env=env)  # RAM empty: the prefix is on disk only
+    assert scanned(d)
+    kv_a, kv_b = make_kv(), make_kv()
+    with d.client(name="a") as a, d.client(name="b") as b:
+        a.register_kv_cache(kv_a, [0] * 4, NS)
+        b.register_kv_cache(kv_b, [0] * 4, NS)
+        ha, hb = a.load(hs, list(range(32))), b.load(hs, list(range(32)))  # the second while the first reads
+        assert ha.wait().ok and hb.wait().ok
+        for kv_x in (kv_a, kv_b):
+            assert all(torch.equal(x, y) for x, y in zip(want, block_bytes(kv_x, range(32))))
+    assert d.stats()["disk"]["read"] == 32  # one read per block, shared by both loads
+    kv_a.close()
+    kv_b.close()
+
+
 def test_disk_blocks_survive_sigterm_and_sigkill_of_the_daemon(daemon_factory, tmp_path):
     env = disk_env(tmp_path / "disk")
     sock = str(tmp_path / "d.sock")
