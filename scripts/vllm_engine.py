@@ -11,7 +11,9 @@ KV cache's memory mapping), then answers each command line with one ``RESULT {js
 print other lines to stdout too):
 
 * ``{"op": "ttft", "prompt": [ids]}`` -> ``{"s": seconds}`` (a 1-token generate)
-* ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"s": .., "tokens": [[ids]]}``
+* ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"s": .., "tokens": [[ids]]}``;
+  with ``"fresh": true`` vLLM reads no cached prefix (neither its own nor an
+  offloaded one): it computes every token itself, and still stores
 * ``{"op": "reset"}`` -> vLLM's own prefix cache dropped (the next request of a
   stored prompt can only hit kvtier)
 * ``{"op": "adopt_kv"}`` -> the KV cache moved into a memfd as kvtier's worker does
@@ -197,7 +199,8 @@ def serve(args) -> None:
             res = {"s": time.perf_counter() - t}
         elif op == "generate":
             sp = SamplingParams(max_tokens=cmd["max_tokens"], min_tokens=cmd["max_tokens"], temperature=0.0,
-                                detokenize=False, ignore_eos=True)
+                                detokenize=False, ignore_eos=True,
+                                skip_reading_prefix_cache=bool(cmd.get("fresh")) or None)
             t = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
             res = {"s": time.perf_counter() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs]}

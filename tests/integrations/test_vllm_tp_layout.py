@@ -153,3 +153,17 @@ def test_replicated_kv_is_stored_once_by_the_ranks_and_loaded_by_each(daemon):
     finally:
         r0.shutdown()
         r1.shutdown()
+
+
+def test_only_head_major_kv_tensors_are_cut_into_head_slices():
+    """vLLM's CPU attention layer ``[blocks, heads, tokens, 2 * head_size]`` is;
+    a tokens-outside-heads layout, or padded blocks with several heads per
+    rank, make the worker fall back to the per-rank layout."""
+    from kvtier.integrations.vllm.spec import _heads_outermost
+    cpu = torch.zeros(8, 2, 32, 128, dtype=torch.bfloat16)
+    assert _heads_outermost(cpu, 2)
+    assert not _heads_outermost(cpu.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3), 2)  # tokens outside
+    padded = torch.zeros(8, 2 * 32 * 128 + 64, dtype=torch.bfloat16)[:, :2 * 32 * 128].view(8, 2, 32, 128)
+    assert not _heads_outermost(padded, 2)
+    assert _heads_outermost(torch.zeros(8, 32 * 128 + 64, dtype=torch.bfloat16)[:, :32 * 128].view(8, 1, 32, 128), 1)
+    assert not _heads_outermost(cpu, 4)

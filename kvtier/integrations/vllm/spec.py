@@ -107,7 +107,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     def check_layer_tensors(self, kv_caches: dict) -> None:
         """Worker side, before ``get_worker``: head slices need each head's
-        bytes of a block contiguous (``[blocks, heads, ...]``, heads outermost).
+        bytes of a block contiguous (``[blocks, heads, ...]``, heads outermost)
+        and, with several heads per rank, unpadded blocks.
         vLLM's CPU attention lays KV out so; if this worker's tensors are not,
         it falls back to the per-rank layout (its blocks are never shared; a
         hit another engine stored fails to load here and vLLM recomputes)."""
@@ -157,7 +158,9 @@ class _LayoutFacts:
 
 
 def _heads_outermost(t, heads: int) -> bool:
-    """``t`` is ``[blocks, heads, ...]`` with each head's rest contiguous."""
+    """``t`` is ``[blocks, heads, ...]`` with each head's rest contiguous (and
+    the blocks unpadded when a rank holds several heads: its heads are then
+    cut into rows of one view)."""
     if t.dim() < 3 or t.shape[1] != heads:
         return False
     inner = 1
@@ -165,4 +168,4 @@ def _heads_outermost(t, heads: int) -> bool:
         if stride != inner:
             return False
         inner *= size
-    return t.stride(1) == inner
+    return t.stride(1) == inner and (heads == 1 or t.stride(0) == heads * inner)
