@@ -162,7 +162,10 @@ def build(args):
     if args.kvtier:
         import vllm_offline
         from vllm.config import KVTransferConfig
-        kw["kv_transfer_config"] = KVTransferConfig(**vllm_offline.kv_transfer_config(args.socket, args.block_size))
+        transfer = vllm_offline.kv_transfer_config(args.socket, args.block_size)
+        if args.tp_layout:
+            transfer["kv_connector_extra_config"]["kvtier_tp_layout"] = args.tp_layout
+        kw["kv_transfer_config"] = KVTransferConfig(**transfer)
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.tp > 1:  # one worker process per rank (vLLM's CPU build: bind each with VLLM_CPU_OMP_THREADS_BIND="0|1")
@@ -239,6 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--mem-util", type=float, default=0.3)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (worker processes)")
+    ap.add_argument("--tp-layout", default="", help="kvtier_tp_layout: shared (kvtier's default) or per-rank")
     serve(ap.parse_args(argv))
     return 0
 

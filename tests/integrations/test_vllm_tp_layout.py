@@ -167,3 +167,33 @@ def test_only_head_major_kv_tensors_are_cut_into_head_slices():
     assert not _heads_outermost(padded, 2)
     assert _heads_outermost(torch.zeros(8, 32 * 128 + 64, dtype=torch.bfloat16)[:, :32 * 128].view(8, 1, 32, 128), 1)
     assert not _heads_outermost(cpu, 4)
+
+
+def test_a_chunk_cut_in_head_slices_is_announced_once_and_removed_when_any_slice_goes():
+    """KV events (``events.py``) see chunks, the daemon sees slices: a chunk is
+    one BlockStored, and one BlockRemoved when the daemon drops any of its slices."""
+    from kvtier.integrations.vllm.events import TierEvents
+    from kvtier.integrations.vllm.slices import slice_key
+
+    class Feed:  # the daemon's removed keys, as DaemonFeed.removed returns them
+        gone: list = []
+
+        def removed(self):
+            out, Feed.gone = Feed.gone, []
+            return out
+
+        def close(self):
+            pass
+
+    ev = TierEvents(True, Feed(), plan(1, 0, HEADS, False, True))
+    okeys = offload_keys(2, salt=9)
+    ev.stored(okeys)
+    ev.stored(okeys)
+    (stored,) = ev.take()
+    assert not stored.removed and stored.keys == okeys
+    Feed.gone = [slice_key(kvtier_key(okeys[1]), 1, HEADS), slice_key(kvtier_key(okeys[1]), 0, HEADS)]
+    (removed,) = ev.take()
+    assert removed.removed and removed.keys == [okeys[1]]
+    ev.missing(okeys[:1])
+    (removed,) = ev.take()
+    assert removed.keys == [okeys[0]] and ev.take() == []

@@ -37,7 +37,7 @@ def make_tiny_mla(path: str, layers: int = 2, seed: int = 0) -> str:
 
 class LiveEngine:
     def __init__(self, name: str, model: str, log_dir, *, tp: int = 1, socket: str | None = None,
-                 block_size: int = 32, max_model_len: int = 2048):
+                 block_size: int = 32, max_model_len: int = 2048, extra: tuple[str, ...] = ()):
         self.name = name
         binds = "|".join(str(r % max(1, os.cpu_count() or 1)) for r in range(tp))  # one core per rank
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": binds,
@@ -47,6 +47,7 @@ class LiveEngine:
                "--max-model-len", str(max_model_len), "--max-num-seqs", "4"]
         if socket:
             cmd += ["--kvtier", "--socket", socket]
+        cmd += list(extra)
         self.log = os.path.join(str(log_dir), f"{name}.log")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log, "w"), text=True, env=env)

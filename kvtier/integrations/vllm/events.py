@@ -9,14 +9,15 @@ announces its blocks: medium ``CPU``, locality ``LOCAL``, as the primary tier.
 * **Stored**: a chunk this engine stored (``complete_store``), or found by a
   lookup (stored by another engine on the node, or by an earlier process):
   from then on this engine can load it. Each chunk is announced once.
-* **Removed**: an announced chunk the pool no longer holds. Learnt two ways:
+* **Removed**: an announced chunk the pool no longer holds (with head
+  slices, ``slices.py``: once any of its slices is gone). Learnt two ways:
   a lookup that misses it (always available), and, where the engine can read
   the daemon's block event stream (``kvtier_events`` in
   ``kv_connector_extra_config``; operators only), the daemon's own
   ``removed`` events for this namespace (evictions, flushes), as they happen.
 
 Nothing is queued unless vLLM publishes KV events (it drains ``take`` only
-then). Primitives: ``TierEvents(enabled, feed)`` with ``stored``, ``missing``,
+then). Primitives: ``TierEvents(enabled, feed, slices)`` with ``stored``, ``missing``,
 ``take``, ``close``; ``DaemonFeed(endpoint, fingerprint)``.
 """
 
@@ -31,6 +32,7 @@ import zmq
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
 from .naming import kvtier_key
+from .slices import PER_RANK, KVSlices
 
 log = logging.getLogger("kvtier.vllm")
 
@@ -70,8 +72,9 @@ class DaemonFeed:
 
 
 class TierEvents:
-    def __init__(self, enabled: bool, feed: DaemonFeed | None = None):
+    def __init__(self, enabled: bool, feed: DaemonFeed | None = None, slices: KVSlices = PER_RANK):
         self.enabled = enabled
+        self.slices = slices  # head slices: the daemon reports each slice's key (slices.py)
         self.feed = feed if enabled else None
         self._announced: dict[bytes, OffloadKey] = {}      # kvtier key -> vLLM key
         self._pending: list[tuple[bool, OffloadKey]] = []  # (removed, key), in the order it happened
@@ -81,20 +84,22 @@ class TierEvents:
         if not self.enabled:
             return
         for key in keys:
-            h = kvtier_key(key)
-            if h not in self._announced:
-                self._announced[h] = key
+            hs = self.slices.all_keys(kvtier_key(key))
+            if hs[0] not in self._announced:
+                self._announced.update((h, key) for h in hs)  # any slice's removal removes the chunk
                 self._pending.append((False, key))
 
     def missing(self, keys: Iterable[OffloadKey]) -> None:
         """A lookup found these chunks gone from the pool."""
         if self.enabled:
-            self._drop(kvtier_key(k) for k in keys)
+            self._drop(self.slices.all_keys(kvtier_key(k))[0] for k in keys)
 
     def _drop(self, hashes: Iterable[bytes]) -> None:
         for h in hashes:
             key = self._announced.pop(h, None)
             if key is not None:
+                for sibling in self.slices.all_keys(kvtier_key(key)):
+                    self._announced.pop(sibling, None)
                 self._pending.append((True, key))
 
     def take(self) -> list[OffloadingEvent]:

@@ -11,8 +11,11 @@ rather than risk vLLM reading blocks a failed load never wrote.
 ``kvtier_socket`` (default: ``$KVTIER_SOCKET`` or the standard path),
 ``kvtier_events`` (the daemon's block event endpoint, its ``events``
 setting: lets the engine's KV events report evictions as they happen; the
-daemon lets only operators read it), and vLLM's own ``block_size`` /
-``blocks_per_chunk`` (tokens or engine blocks per kvtier block).
+daemon lets only operators read it), ``kvtier_tp_layout`` (``"shared"``,
+the default: TP sizes share blocks and MLA is stored once where the layout
+allows, ``slices.py``; ``"per-rank"``: one namespace per TP rank and size,
+as before - the baseline of ``scripts/bench_tp_pool.py``), and vLLM's own
+``block_size`` / ``blocks_per_chunk`` (tokens or engine blocks per kvtier block).
 """
 
 from __future__ import annotations
@@ -54,7 +57,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
                                       f"(this model has {len(config.groups)})")
         vc = engine.vllm_config
         group = config.groups[0]
+        tp_layout = self.extra_config.get("kvtier_tp_layout", "shared")
+        if tp_layout not in ("shared", "per-rank"):
+            raise ValueError(f"kvtier_tp_layout must be 'shared' or 'per-rank', not {tp_layout!r}")
         self._layout = _LayoutFacts.of(vc, engine.kv_cache_config, group.group_id, config.kv_cache_layout)
+        if tp_layout == "per-rank":
+            self._layout = replace(self._layout, replicated=False, head_major=False)
         self.slices = self.slices_of(0)
         self.identity = EngineIdentity(
             model=vc.model_config.model, revision=vc.model_config.revision,
@@ -87,7 +95,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         enabled = self.kv_events_config.enable_kv_cache_events
         endpoint = self.extra_config.get("kvtier_events") or None
         feed = DaemonFeed(endpoint, namespace.fingerprint()) if enabled and endpoint else None
-        return TierEvents(enabled, feed)
+        return TierEvents(enabled, feed, self.slices)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
@@ -118,8 +126,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             logging.getLogger("kvtier.vllm").error(
                 "kvtier: KV tensors are not head-major %s; this worker uses the per-rank layout",
                 sorted({tuple(t.shape) for t in kv_caches.values()}))
-            self._layout = _LayoutFacts(self._layout.pages, self._layout.total_kv_heads,
-                                        self._layout.local_kv_heads, False, False)
+            self._layout = replace(self._layout, replicated=False, head_major=False)
             self.identity = replace(self.identity, kv_slices="")
 
 
