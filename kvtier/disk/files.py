@@ -68,7 +68,7 @@ def read_all(fd: int, bufs: list, offset: int) -> int:
 
 
 def direct_io_works(directory: str) -> bool:
-    """Whether this filesystem takes O_DIRECT (tmpfs does not: EINVAL)."""
+    """Whether this filesystem takes O_DIRECT (tmpfs before Linux 6.6 does not: EINVAL)."""
     probe = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
     try:
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC, 0o600)

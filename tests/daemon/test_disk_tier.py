@@ -75,6 +75,7 @@ def test_blocks_evicted_from_ram_stay_hits_and_load_back_byte_exact(daemon_facto
         assert all(torch.equal(a, b) for a, b in zip(want, block_bytes(kv, range(32))))
         s = d.stats()["disk"]
         assert (s["read"], s["rejected"], s["loaded"]) == (32, 0, 32)
+        assert s["read_direct"] == (32 if s["o_direct"] else 0)  # by DMA into the pool where the fs allows
         assert c.lookup(hs) == 32  # back in RAM now
     for f in block_files(tmp_path / "disk"):
         st = os.stat(f)
@@ -256,3 +257,33 @@ def test_a_disk_path_other_users_can_write_is_refused(tmp_path, mode):
                           disk_path=str(open_parent / "disk"), disk_size=2**24)
     with pytest.raises(UnfitConfig, match="writable by every user"):
         Daemon(config)
+
+
+def restart_and_load(daemon_factory, root, kv, hs, ns=NS, **env) -> dict:
+    """Store ``hs`` into engine blocks 0.., restart on the same disk, load them into the
+    next blocks: byte-exact; the disk section of the stats after."""
+    n = len(hs)
+    first = daemon_factory(env=disk_env(root, "16MiB", **env))
+    with first.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * len(kv.tensors), ns)
+        assert c.store(hs, list(range(n))).wait().ok
+        assert written(first, n)
+    want = block_bytes(kv, range(n))
+    first.stop()
+    d = daemon_factory(env=disk_env(root, "16MiB", **env))
+    assert scanned(d)
+    with d.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * len(kv.tensors), ns)
+        assert c.lookup(hs) == n
+        assert c.load(hs, list(range(n, 2 * n))).wait().ok
+    assert all(torch.equal(a, b) for a, b in zip(want, block_bytes(kv, range(n, 2 * n))))
+    return d.stats()["disk"]
+
+
+def test_blocks_of_a_size_o_direct_cannot_read_load_buffered_and_byte_exact(daemon_factory, tmp_path):
+    from kvtier.client import Namespace
+    odd = Namespace("odd-model", "float16", "flashinfer", 16)
+    kv = make_kv(shape=(32, 2, 16, 1, 24), layers=3, seed=8)  # 3 x 1,536 bytes: not a multiple of 4 KiB
+    s = restart_and_load(daemon_factory, tmp_path / "disk", kv, chain(8, 16), odd)
+    assert s["o_direct"] and (s["read"], s["read_direct"]) == (16, 0)
+    kv.close()
