@@ -269,7 +269,6 @@ class DiskBridge:
             elif what == "scanned":
                 self.scanning = False
                 self.scan_s = time.monotonic() - self.scan_started
-                self.dindex.resort()
                 self._unlink(self.dindex.shrink())
                 log.info("disk tier: %d blocks (%d bytes) found in %s in %.2fs", len(self.dindex),
                          self.dindex.used, self.io.root, self.scan_s)
@@ -288,7 +287,7 @@ class DiskBridge:
             if (entry.ns_key, entry.key) in self.writing:  # rewritten now: the new file wins
                 extra.append(entry)
                 continue
-            extra += self.dindex.add(entry, shrink=False)  # fitted to disk_size once all are found
+            extra += self.dindex.add(entry, found=True)  # fitted to disk_size once all are found
         self.io.unlink([e.path for e in extra])
 
     # ---- status ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from .format import HEADER_BYTES, TMP_DIR, decode_header, ns_dir, parse_name
 
 log = logging.getLogger("kvtier.disk")
 ALIGN = 4096  # O_DIRECT: buffer address, file offset and length in multiples of this
-SCAN_BATCH = 4096
+SCAN_BATCH = 1024  # files per hand-over to the loop: a few ms of index inserts there
 OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 

@@ -7,30 +7,42 @@ never exceeds ``capacity``: making room drops the oldest entries (by write
 order, refreshed when a block is loaded back) and returns them for the
 caller to unlink.
 
+Age order is a heap with lazy deletion, not a list kept sorted: files found
+by the start-up scan arrive in directory order, and a million of them must
+not be sorted on the loop thread. An entry's ``age`` is its file's ``seq``
+(time-based: earlier daemons' files are older), raised past every other age
+when it is written or read back; heap items whose entry was removed or aged
+since are skipped when popped, and the heap is rebuilt when it holds more
+stale items than live ones.
+
 Primitives:
   DiskIndex(capacity)
   entries_of(ns_key) -> {key: DiskEntry} | None    what a lookup or load reads
   reserve(nbytes) -> [victims] | None      room for a write (None: it can never fit)
   release(nbytes)                          a reserved write ended (added or failed)
-  add(entry, shrink=True) -> [victims]     a complete file; an older copy of its key is a victim
-  resort(), shrink() -> [victims]          after the start-up scan: age by write order, then fit
+  add(entry, found=False) -> [victims]     a complete file (found: by the scan, not fitted yet);
+                                           an older copy of its key is a victim
+  shrink() -> [victims]                    fit within capacity (after the scan)
   remove(entry) -> bool, touch(entry)
   drop(ns_keys=None) -> [victims]          flush: every entry of those namespaces (None: all)
-  by_namespace() -> {ns_key: (blocks, bytes)}, check_integrity()
+  by_namespace() -> {ns_key: (blocks, bytes)}, check_integrity(fitted=True)
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import heapq
+import itertools
+from collections import Counter
 
 from .format import HEADER_BYTES
 
 
 class DiskEntry:
-    __slots__ = ("ns_key", "key", "seq", "size", "crc", "path")
+    __slots__ = ("ns_key", "key", "seq", "size", "crc", "path", "age")
 
     def __init__(self, ns_key: str, key: bytes, seq: int, size: int, crc: int, path: str):
         self.ns_key, self.key, self.seq, self.size, self.crc, self.path = ns_key, key, seq, size, crc, path
+        self.age = seq
 
     @property
     def file_bytes(self) -> int:
@@ -43,55 +55,58 @@ class DiskIndex:
         self.used = 0          # bytes of indexed files (headers included)
         self.reserved = 0      # bytes of writes queued or running
         self.namespaces: dict[str, dict[bytes, DiskEntry]] = {}
-        self._order: OrderedDict = OrderedDict()  # entry -> None, oldest first
+        self.ns_bytes: Counter = Counter()  # payload bytes per namespace (stats read it every 0.5 s)
+        self.count = 0
         self.dropped = 0       # entries dropped to make room (the disk's evictions)
+        self._heap: list = []  # (age, n, entry), stale items included
+        self._n = itertools.count()
+        self._newest = 0
 
     def entries_of(self, ns_key: str) -> dict | None:
         return self.namespaces.get(ns_key)
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self.count
 
     # ---- space -----------------------------------------------------------------------
     def reserve(self, nbytes: int) -> list[DiskEntry] | None:
         if nbytes > self.capacity - self.reserved:
             return None
-        victims = []
-        while self.used + self.reserved + nbytes > self.capacity and self._order:
-            victims.append(self._pop_oldest())
-        self.dropped += len(victims)
         self.reserved += nbytes
-        return victims
+        return self.shrink()
 
     def release(self, nbytes: int) -> None:
         self.reserved -= nbytes
 
     def shrink(self) -> list[DiskEntry]:
-        """Victims that bring ``used`` within capacity (files found at start may exceed it)."""
+        """Victims, oldest first, that bring ``used + reserved`` within capacity."""
         victims = []
-        while self.used + self.reserved > self.capacity and self._order:
-            victims.append(self._pop_oldest())
+        while self.used + self.reserved > self.capacity and self.count:
+            age, _, entry = heapq.heappop(self._heap)
+            if entry.age == age and self.remove(entry):
+                victims.append(entry)
         self.dropped += len(victims)
         return victims
 
     # ---- entries ----------------------------------------------------------------------
-    def add(self, entry: DiskEntry, shrink: bool = True) -> list[DiskEntry]:
+    def add(self, entry: DiskEntry, found: bool = False) -> list[DiskEntry]:
         """Index a complete file. Of two copies of one block the newer stays; the
         other is returned for unlinking (a write racing the start-up scan).
-        ``shrink=False``: files found at start, in no order yet (see ``resort``)."""
+        ``found``: by the start-up scan, aged by its seq and not fitted yet (``shrink``)."""
         old = self.namespaces.get(entry.ns_key, {}).get(entry.key)
         if old is not None:
             if old.seq >= entry.seq:
                 return [entry]
             self.remove(old)  # may forget the namespace's map: taken again below
         self.namespaces.setdefault(entry.ns_key, {})[entry.key] = entry
-        self._order[entry] = None
+        self.ns_bytes[entry.ns_key] += entry.size
+        self.count += 1
         self.used += entry.file_bytes
-        return ([old] if old is not None else []) + (self.shrink() if shrink else [])
-
-    def resort(self) -> None:
-        """Age order = write order (``seq``), once the start-up scan found every file."""
-        self._order = OrderedDict.fromkeys(sorted(self._order, key=lambda e: e.seq))
+        if found:
+            self._push(entry, entry.seq)
+            return [old] if old is not None else []
+        self._push(entry, max(self._newest + 1, entry.seq))
+        return ([old] if old is not None else []) + self.shrink()
 
     def remove(self, entry: DiskEntry) -> bool:
         entries = self.namespaces.get(entry.ns_key)
@@ -100,13 +115,18 @@ class DiskIndex:
         del entries[entry.key]
         if not entries:
             del self.namespaces[entry.ns_key]
-        del self._order[entry]
+        self.ns_bytes[entry.ns_key] -= entry.size
+        if not self.ns_bytes[entry.ns_key]:
+            del self.ns_bytes[entry.ns_key]
+        self.count -= 1
         self.used -= entry.file_bytes
+        entry.age = -1  # its heap item is stale now
+        self._compact()
         return True
 
     def touch(self, entry: DiskEntry) -> None:
-        if entry in self._order:
-            self._order.move_to_end(entry)
+        if entry.age >= 0:
+            self._push(entry, self._newest + 1)
 
     def drop(self, ns_keys=None) -> list[DiskEntry]:
         keys = list(self.namespaces) if ns_keys is None else [k for k in ns_keys if k in self.namespaces]
@@ -115,22 +135,31 @@ class DiskIndex:
             self.remove(e)
         return victims
 
-    def _pop_oldest(self) -> DiskEntry:
-        entry = next(iter(self._order))
-        self.remove(entry)
-        return entry
+    def _push(self, entry: DiskEntry, age: int) -> None:
+        entry.age = age
+        self._newest = max(self._newest, age)
+        heapq.heappush(self._heap, (age, next(self._n), entry))
+        self._compact()
+
+    def _compact(self) -> None:
+        if len(self._heap) > 2 * self.count + 64:  # amortized O(1): at least half the items go
+            self._heap = [item for item in self._heap if item[2].age == item[0]]
+            heapq.heapify(self._heap)
 
     # ---- accounting ------------------------------------------------------------------
     def by_namespace(self) -> dict[str, tuple[int, int]]:
-        return {k: (len(v), sum(e.size for e in v.values())) for k, v in self.namespaces.items()}
+        return {k: (len(v), self.ns_bytes[k]) for k, v in self.namespaces.items()}
 
     def check_integrity(self, fitted: bool = True) -> None:
         flat = [e for v in self.namespaces.values() for e in v.values()]
+        live = [item[2] for item in self._heap if item[2].age == item[0]]
         problems = []
-        if len(flat) != len(self._order) or set(flat) != set(self._order):
-            problems.append("namespace maps and age order disagree")
+        if len(flat) != self.count or sorted(map(id, live)) != sorted(map(id, flat)):
+            problems.append("namespace maps and age heap disagree")
         if sum(e.file_bytes for e in flat) != self.used:
             problems.append(f"used {self.used} != sum of entries")
+        if {k: sum(e.size for e in v.values()) for k, v in self.namespaces.items()} != dict(self.ns_bytes):
+            problems.append("per-namespace bytes are wrong")
         if fitted and self.used + self.reserved > self.capacity:
             problems.append(f"used {self.used} + reserved {self.reserved} > capacity {self.capacity}")
         if any(not v for v in self.namespaces.values()):

@@ -78,3 +78,14 @@ def test_random_operations_keep_the_index_within_capacity(ops):
         idx.check_integrity()
     idx.release(held)
     idx.check_integrity()
+
+
+@given(st.permutations(list(range(12))))
+def test_files_found_in_any_order_are_dropped_oldest_first(seqs):
+    """The scan finds files in directory order; what exceeds the capacity goes by write order."""
+    idx = DiskIndex(capacity=5 * (HEADER_BYTES + 100))
+    for s in seqs:
+        assert idx.add(entry("a", s, seq=s), found=True) == []
+    idx.check_integrity(fitted=False)
+    assert [v.seq for v in idx.shrink()] == list(range(7))
+    idx.check_integrity()
