@@ -26,10 +26,11 @@ Failures are values: a refused or failed transfer comes back as a
 ``TransferResult`` with failed blocks (the engine recomputes), never an
 exception on the data path.
 
-Primitives: ``EngineKV(tensors, block_dims, client, namespace, block_factor, stream, defer)``
+Primitives: ``EngineKV(tensors, block_dims, client, namespace, block_factor, stream, defer, kv)``
 with ``enabled``/``refusal``/``on_gpu``/``registered``, ``register_when_connected``, ``store``, ``load``, ``landed``,
 ``offload``, ``restore``, ``submit``, ``fail``, ``finished``, ``held``, ``wait``, ``close``;
-``Finished``; ``kv_device(tensors)``.
+``Finished``; ``kv_device(tensors)``; ``export_groups(groups)`` (several
+registrations over one engine's memory: a hybrid model's KV cache groups).
 """
 
 from __future__ import annotations
@@ -70,12 +71,39 @@ def kv_device(tensors: Sequence) -> str:
     return kinds.pop()
 
 
+def export_groups(groups: Sequence[Sequence]) -> list:
+    """Export several lists of views of one engine's KV memory, one cache per list.
+
+    A hybrid model's KV cache groups are views of the same tensors (each group
+    uses its own block ids in them): CPU storages must move into shared
+    memory once, or the second move would strand the first registration on
+    memory the engine no longer uses. So every view is adopted in one call,
+    and each group gets a cache over its own views of that one memfd (closing
+    any of them closes the shared descriptor once). CUDA memory is registered
+    in place, one cache per group."""
+    groups = [list(g) for g in groups]
+    flat = [t for g in groups for t in g]
+    if kv_device(flat) == "cuda":
+        from ..transfer.cuda import CudaKVCache
+        return [CudaKVCache(g) for g in groups]
+    from ..transfer.adopt import adopt_tensors
+    from ..transfer.shm import ShmKVCache
+    whole = adopt_tensors(flat)
+    out, start = [], 0
+    for g in groups:
+        out.append(ShmKVCache._adopted(whole.memory, whole.tensors[start:start + len(g)],
+                                       whole.offsets[start:start + len(g)]))
+        start += len(g)
+    return out
+
+
 class EngineKV:
     def __init__(self, tensors: Sequence, block_dims: Sequence[int], client: Client,
-                 namespace: Namespace, block_factor: int = 1, stream=None, defer: bool = False):
+                 namespace: Namespace, block_factor: int = 1, stream=None, defer: bool = False, kv=None):
         """Export ``tensors`` and register them. ``stream``: the CUDA stream the
         engine's kernels run on (default: the device's current stream at each
-        call). Owns ``client`` from here on (``close`` closes it).
+        call). ``kv``: ``tensors`` already exported (``export_groups``).
+        Owns ``client`` from here on (``close`` closes it).
 
         ``defer``: while the client has no daemon, leave the tensors where the
         engine put them (no copy into shared memory, no registration: an
@@ -87,6 +115,7 @@ class EngineKV:
         self.client, self.block_factor, self._stream = client, block_factor, stream
         self.device = tensors[0].device
         self.kv = None
+        self._exported = kv
         self.refusal: KVTierError | None = None
         self._jobs: dict[int, _Job] = {}
         self._done: list[Finished] = []
@@ -97,7 +126,7 @@ class EngineKV:
     def _register(self) -> None:
         tensors, block_dims, namespace = self._pending
         self._pending = None
-        self.kv = self._export(tensors)
+        self.kv = self._exported if self._exported is not None else self._export(tensors)
         try:
             self.client.register_kv_cache(self.kv, block_dims, namespace, block_factor=self.block_factor)
         except KVTierError as exc:

@@ -17,6 +17,7 @@ import zmq
 
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 from kvtier.integrations.vllm.events import DaemonFeed, TierEvents  # noqa: E402
+from kvtier.integrations.vllm.groups import TierGroup  # noqa: E402
 from kvtier.integrations.vllm.manager import KVTierManager  # noqa: E402
 from kvtier.integrations.vllm.naming import kvtier_key  # noqa: E402
 from kvtier.integrations.vllm.worker import KVTierWorker  # noqa: E402
@@ -46,7 +47,7 @@ def engine(daemon_factory, tmp_path):
     daemon = daemon_factory(extra=["--events", endpoint])
     caches, _ = canonical_caches(seed=3)
     worker = KVTierWorker(caches, NS, K, daemon.socket, name="vllm-worker-events")
-    manager = KVTierManager(NS, LAYERS * PAGE, K, daemon.socket, name="vllm-scheduler-events",
+    manager = KVTierManager([TierGroup(0, NS, LAYERS * PAGE)], K, daemon.socket, name="vllm-scheduler-events",
                             events=TierEvents(True, DaemonFeed(endpoint, NS.fingerprint())))
     yield daemon, worker, manager
     manager.shutdown()
@@ -86,7 +87,7 @@ def test_another_engine_announces_chunks_once_its_lookups_find_them(engine):
     daemon, worker, manager = engine
     keys = offload_keys(3, salt=4)
     store(worker, manager, keys[:2], job=3)
-    other = KVTierManager(NS, LAYERS * PAGE, K, daemon.socket, name="vllm-scheduler-other",
+    other = KVTierManager([TierGroup(0, NS, LAYERS * PAGE)], K, daemon.socket, name="vllm-scheduler-other",
                           events=TierEvents(True))
     try:
         assert other.take_events() == []

@@ -18,6 +18,7 @@ import torch
 
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 from kvtier.client import Namespace  # noqa: E402
+from kvtier.integrations.vllm.groups import TierGroup  # noqa: E402
 from kvtier.integrations.vllm.manager import KVTierManager, KVTierSpecs  # noqa: E402
 from kvtier.integrations.vllm.naming import kvtier_key  # noqa: E402
 from kvtier.integrations.vllm.slices import plan  # noqa: E402
@@ -110,8 +111,8 @@ def test_the_scheduler_hits_a_chunk_only_when_every_head_slice_is_in_the_pool(da
     misses (it could not load head 1). Once rank 1 stored, it hits."""
     r0, _ = worker(daemon, 2, 0, seed=4)
     r1, _ = worker(daemon, 2, 1, seed=5)
-    sched = KVTierManager(HEADS_NS, LAYERS * HEAD_BYTES, K, daemon.socket, name="sched",
-                          slices=plan(1, 0, HEADS, False, True))
+    sched = KVTierManager([TierGroup(0, HEADS_NS, LAYERS * HEAD_BYTES, slices=plan(1, 0, HEADS, False, True))],
+                          K, daemon.socket, name="sched")
     okeys = offload_keys(2, salt=2)
     keys = [kvtier_key(k) for k in okeys]
     try:

@@ -89,7 +89,7 @@ def test_preempted_jobs_are_waited_for_and_still_reported(daemon):
         keys = block_hashes(list(range(2 * 16 * K)), 16 * K)
         w.submit_store(1, gpu_spec([0, 1, 2, 3]), KVTierSpecs(keys))
         w.wait({1})
-        assert w.engine.held(1) == ()
+        assert w.held(1) == ()
         assert finished(w, {1})[1].success
     finally:
         w.shutdown()

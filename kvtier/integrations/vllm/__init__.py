@@ -23,6 +23,8 @@ Where each part runs (three processes touch it, each with its own kvtier client)
 * ``worker.py`` - worker side: adopts vLLM's CPU KV tensors into shared
   memory and asks the daemon to copy blocks.
 * ``naming.py`` - namespace and key derivation (no vLLM import).
+* ``groups.py`` - a model's KV cache groups (hybrid models: one namespace
+  per group) and one job split by group (no vLLM import).
 """
 
 from .connector import KVTierConnector

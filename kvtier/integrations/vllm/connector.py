@@ -10,8 +10,9 @@ What it changes, and why:
   ``kv_load_failure_policy="recompute"``). The blocks a failed load may have
   half written are never used.
 * Scheduler side: before vLLM looks a request's chunks up one by one, the
-  request's keys go to the manager in one batch (one round trip per request
-  per step), and a request whose load failed is never offered a hit again.
+  request's keys go to the manager in one batch per KV cache group (one
+  round trip per request, group and step), and a request whose load failed
+  is never offered a hit again.
 
 With another spec (vLLM's CPU spec, a test's mock) the scheduler side is
 vLLM's own, unchanged: vLLM's offloading-connector tests pass with this class
@@ -114,9 +115,9 @@ class KVTierConnector(OffloadingConnector):
         if state is None or state.transfer_jobs or request.skip_reading_prefix_cache:
             return
         state.update_offload_keys()  # idempotent; vLLM's own lookup calls it again
-        tokens_per_chunk = sched.config.kv_group_configs[0].tokens_per_chunk
-        keys = state.group_states[0].offload_keys[num_computed_tokens // tokens_per_chunk:]
-        sched.manager.prefetch(request.request_id, keys)
+        for config, group in zip(sched.config.kv_group_configs, state.group_states):
+            keys = group.offload_keys[num_computed_tokens // config.tokens_per_chunk:]
+            sched.manager.prefetch(request.request_id, keys)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         super().update_connector_output(connector_output)

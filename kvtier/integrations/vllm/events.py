@@ -17,8 +17,10 @@ announces its blocks: medium ``CPU``, locality ``LOCAL``, as the primary tier.
   ``removed`` events for this namespace (evictions, flushes), as they happen.
 
 Nothing is queued unless vLLM publishes KV events (it drains ``take`` only
-then). Primitives: ``TierEvents(enabled, feed, slices)`` with ``stored``, ``missing``,
-``take``, ``close``; ``DaemonFeed(endpoint, fingerprint)``.
+then). A hybrid model's groups are separate namespaces, so each has its own
+feed and layout, and a chunk is known by its group and kvtier key.
+Primitives: ``TierEvents(enabled, feed, slices)`` with ``stored``,
+``missing``, ``take``, ``close``; ``DaemonFeed(endpoint, fingerprint)``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Iterable
 import msgpack
 import zmq
 
-from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey, get_offload_group_idx
 
 from .naming import kvtier_key
 from .slices import PER_RANK, KVSlices
@@ -72,19 +74,27 @@ class DaemonFeed:
 
 
 class TierEvents:
-    def __init__(self, enabled: bool, feed: DaemonFeed | None = None, slices: KVSlices = PER_RANK):
+    def __init__(self, enabled: bool, feed: DaemonFeed | dict[int, DaemonFeed] | None = None,
+                 slices: KVSlices | dict[int, KVSlices] = PER_RANK):
+        """``feed``, ``slices``: group 0's, or one per group index (a hybrid model)."""
         self.enabled = enabled
-        self.slices = slices  # head slices: the daemon reports each slice's key (slices.py)
-        self.feed = feed if enabled else None
-        self._announced: dict[bytes, OffloadKey] = {}      # kvtier key -> vLLM key
+        feeds = feed if isinstance(feed, dict) else ({0: feed} if feed is not None else {})
+        self.feeds: dict[int, DaemonFeed] = feeds if enabled else {}
+        # head slices: the daemon reports each slice's key (slices.py)
+        self.slices: dict[int, KVSlices] = slices if isinstance(slices, dict) else {0: slices}
+        self._announced: dict[tuple[int, bytes], OffloadKey] = {}  # (group, slice's kvtier key) -> vLLM key
         self._pending: list[tuple[bool, OffloadKey]] = []  # (removed, key), in the order it happened
+
+    def _slice_keys(self, key: OffloadKey) -> list[tuple[int, bytes]]:
+        group = get_offload_group_idx(key)
+        return [(group, h) for h in self.slices.get(group, PER_RANK).all_keys(kvtier_key(key))]
 
     def stored(self, keys: Iterable[OffloadKey]) -> None:
         """These chunks are loadable by this engine now."""
         if not self.enabled:
             return
         for key in keys:
-            hs = self.slices.all_keys(kvtier_key(key))
+            hs = self._slice_keys(key)
             if hs[0] not in self._announced:
                 self._announced.update((h, key) for h in hs)  # any slice's removal removes the chunk
                 self._pending.append((False, key))
@@ -92,13 +102,13 @@ class TierEvents:
     def missing(self, keys: Iterable[OffloadKey]) -> None:
         """A lookup found these chunks gone from the pool."""
         if self.enabled:
-            self._drop(self.slices.all_keys(kvtier_key(k))[0] for k in keys)
+            self._drop(self._slice_keys(k)[0] for k in keys)
 
-    def _drop(self, hashes: Iterable[bytes]) -> None:
-        for h in hashes:
-            key = self._announced.pop(h, None)
+    def _drop(self, chunks: Iterable[tuple[int, bytes]]) -> None:
+        for chunk in chunks:
+            key = self._announced.pop(chunk, None)
             if key is not None:
-                for sibling in self.slices.all_keys(kvtier_key(key)):
+                for sibling in self._slice_keys(key):
                     self._announced.pop(sibling, None)
                 self._pending.append((True, key))
 
@@ -106,8 +116,8 @@ class TierEvents:
         """One event per run of stores or removals, in the order they happened."""
         if not self.enabled:
             return []
-        if self.feed is not None:
-            self._drop(self.feed.removed())
+        for group, feed in self.feeds.items():
+            self._drop((group, h) for h in feed.removed())
         out: list[OffloadingEvent] = []
         for removed, key in self._pending:
             if not out or out[-1].removed != removed:
@@ -117,5 +127,5 @@ class TierEvents:
         return out
 
     def close(self) -> None:
-        if self.feed is not None:
-            self.feed.close()
+        for feed in self.feeds.values():
+            feed.close()

@@ -3,15 +3,19 @@
 The daemon owns the index, so this manager keeps no state of its own beyond
 one step's lookup answers. vLLM asks ``lookup`` one key at a time, and again
 every step for waiting requests; the connector calls ``prefetch`` with a
-request's keys first, so each request costs one round trip per step.
+request's keys first, so each request costs one round trip per KV cache
+group per step.
+
+Hybrid models: each group is looked up in its own namespace (``groups.py``),
+a full-attention group as a prefix (vLLM stops at its first miss), a
+sliding-window group chunk by chunk (vLLM scans it from the end for a run
+of hits as long as the window, so chunks early in the prompt may be absent).
+vLLM combines the groups' answers into a hit every group can serve.
 
 It never promises a load it can deliver: a hit can still be evicted (or the
 daemon lost) before the worker's load runs. Such a load comes back failed,
 the connector reports the request as a failed receive, vLLM recomputes it,
 and ``exclude`` makes later lookups for that request miss so it cannot loop.
-
-With a TP layout cut in head slices (``slices.py``) a chunk is a hit only
-when every slice is in the pool, so each rank can load its own part.
 
 ``prepare_store`` hands every key to the worker: the daemon skips blocks it
 already holds or is writing, so deduplication costs no copy.
@@ -30,6 +34,7 @@ import torch
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
+    get_offload_group_idx,
     LookupResult,
     OffloadingEvent,
     OffloadingManager,
@@ -40,57 +45,108 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 
-from ...client import Client, KVTierError, Namespace, ShmKVCache
+from ...client import Client, KVTierError, ShmKVCache
 from .events import TierEvents
+from .groups import TierGroup
 from .naming import kvtier_key
-from .slices import PER_RANK, KVSlices
 
 log = logging.getLogger("kvtier.vllm")
 
 
 class KVTierSpecs(LoadStoreSpec):
-    """The pool side of a load or store: kvtier keys, one per chunk, in order."""
+    """The pool side of a load or store: kvtier keys, one per chunk, in order,
+    one list per KV cache group (in the engine's group order)."""
 
-    def __init__(self, hashes: list[bytes]):
-        self.hashes = hashes
+    def __init__(self, hashes: list[bytes] | None = None, *, groups: list[list[bytes]] | None = None):
+        self.groups = groups if groups is not None else [list(hashes or [])]
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return [h for g in self.groups for h in g]
 
     def __repr__(self) -> str:
-        return f"KVTierSpecs({len(self.hashes)} chunks)"
+        return f"KVTierSpecs({[len(g) for g in self.groups]} chunks)"
+
+
+# Chunks of a windowed group asked about in one round trip (the daemon's
+# LookupMany limit); vLLM needs the last ones, so those are the ones asked.
+MAX_CHUNKS_PER_LOOKUP = 4096
+
+
+class _GroupLookup:
+    """One group's scheduler-side registration: lookups in its namespace."""
+
+    def __init__(self, group: TierGroup, blocks_per_chunk: int, socket: str | None, name: str):
+        self.group = group
+        self.client = Client(socket, name=name, require_daemon=False)
+        # A lookup needs a registration in the namespace. The scheduler has no KV
+        # cache, so it registers a one-block stand-in with the workers' block size
+        # (one slice of an engine block when the layout is sliced).
+        self.probe = ShmKVCache([(1, group.engine_block_bytes)], torch.int8)
+        self.enabled = True
+        try:
+            self.client.register_kv_cache(self.probe, [0], group.namespace, block_factor=blocks_per_chunk)
+        except KVTierError as exc:  # refused (e.g. block size clash): serve, but never hit
+            log.error("kvtier: scheduler registration of group %d refused (%s); no hits",
+                      group.group_idx, exc)
+            self.enabled = False
+
+    def hits(self, hashes: list[bytes]) -> list[bool]:
+        """Which of these chunks the pool holds whole (every TP slice,
+        ``slices.py``): a prefix for a full-attention group, each chunk on its
+        own for a windowed one. A refused lookup is all misses, never a crash."""
+        sl = self.group.slices
+        n = sl.slices
+        try:
+            if not self.group.windowed:
+                keys = hashes if n == 1 else [k for h in hashes for k in sl.all_keys(h)]
+                whole = self.client.lookup(keys) // n
+                return [i < whole for i in range(len(hashes))]
+            asked = hashes[-(MAX_CHUNKS_PER_LOOKUP // n):]
+            found = self.client.lookup_many([sl.all_keys(h) for h in asked])
+            return [False] * (len(hashes) - len(asked)) + [f == n for f in found]
+        except KVTierError as exc:
+            log.warning("kvtier: lookup failed: %s", exc)
+            return [False] * len(hashes)
+
+    def close(self) -> None:
+        self.client.close()
+        self.probe.close()
 
 
 class KVTierManager(OffloadingManager):
-    def __init__(self, namespace: Namespace, engine_block_bytes: int, blocks_per_chunk: int,
-                 socket: str | None, name: str, events: TierEvents | None = None, slices: KVSlices = PER_RANK):
+    def __init__(self, groups: list[TierGroup], blocks_per_chunk: int, socket: str | None, name: str,
+                 events: TierEvents | None = None):
         self.events = events or TierEvents(enabled=False)
-        self.slices = slices
-        self.client = Client(socket, name=name, require_daemon=False)
-        # A lookup needs a registration in the namespace. The scheduler has no KV
-        # cache, so it registers a one-block stand-in with the workers' block size.
-        self._probe = ShmKVCache([(1, engine_block_bytes)], torch.int8)
-        self.enabled = True
-        try:
-            self.client.register_kv_cache(self._probe, [0], namespace, block_factor=blocks_per_chunk)
-        except KVTierError as exc:  # refused (e.g. block size clash): serve, but never hit
-            log.error("kvtier: scheduler registration refused (%s); kvtier disabled", exc)
-            self.enabled = False
+        self.groups = {g.group_idx: _GroupLookup(g, blocks_per_chunk, socket,
+                                                 name if len(groups) == 1 else f"{name[:60]}-g{g.group_idx}")
+                       for g in groups}
+        self._position = {g.group_idx: i for i, g in enumerate(groups)}
         self._answers: dict[OffloadKey, bool] = {}   # this step's lookups
         self._excluded: set[str] = set()              # requests whose load failed
         self.round_trips = 0
         self._warned_unbatched = False
 
+    @property
+    def enabled(self) -> bool:
+        """Lookups can hit (every group's registration was accepted)."""
+        return all(g.enabled for g in self.groups.values())
+
     # ---- lookups -----------------------------------------------------------------------
     def prefetch(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
-        """Answer this step's lookups of ``keys`` (a request's chunks, in order)
-        with one round trip."""
+        """Answer this step's lookups of ``keys`` (a request's chunks of one
+        group, in order) with one round trip."""
         if not self.enabled or req_id in self._excluded or not keys:
             return
         if all(k in self._answers for k in keys):
             return
-        hits = self._lookup([kvtier_key(k) for k in keys])
-        for i, k in enumerate(keys):
-            self._answers[k] = i < hits
-        self.events.stored(keys[:hits])
-        self.events.missing(keys[hits:hits + 1])  # the first miss is known gone; later ones unknown
+        found = self._lookup(keys)
+        for k, hit in zip(keys, found):
+            self._answers[k] = hit
+        self.events.stored(k for k, hit in zip(keys, found) if hit)
+        # A prefix lookup knows only its first miss is gone; a windowed one knows each.
+        misses = [k for k, hit in zip(keys, found) if not hit]
+        self.events.missing(misses if self.groups[get_offload_group_idx(keys[0])].group.windowed else misses[:1])
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self.enabled or req_context.req_id in self._excluded:
@@ -100,33 +156,35 @@ class KVTierManager(OffloadingManager):
             if not self._warned_unbatched:
                 self._warned_unbatched = True
                 log.warning("kvtier: lookup without prefetch; one round trip per chunk")
-            hit = self._answers[key] = self._lookup([kvtier_key(key)]) == 1  # one chunk, all its slices
+            hit = self._answers[key] = self._lookup([key])[0]  # one chunk, all its slices
             (self.events.stored if hit else self.events.missing)([key])
         return LookupResult.HIT if hit else LookupResult.MISS
 
-    def _lookup(self, hashes: list[bytes]) -> int:
-        """How many of these chunks, from the first, the pool holds whole (every slice)."""
+    def _lookup(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        group = self.groups.get(get_offload_group_idx(keys[0]))
+        if group is None:  # a group the spec did not offload: never a hit
+            return [False] * len(keys)
         self.round_trips += 1
-        n = self.slices.slices
-        keys = hashes if n == 1 else [k for h in hashes for k in self.slices.all_keys(h)]
-        try:
-            return self.client.lookup(keys) // n
-        except KVTierError as exc:  # a refused lookup is a miss, never a crash
-            log.warning("kvtier: lookup failed: %s", exc)
-            return 0
+        return group.hits([kvtier_key(k) for k in keys])
 
     def exclude(self, req_id: str) -> None:
         """A load for this request failed: it recomputes and never loads again."""
         self._excluded.add(req_id)
 
+    def _specs(self, keys: Collection[OffloadKey]) -> KVTierSpecs:
+        """vLLM lists a job's keys group after group; kvtier keeps them apart."""
+        groups: list[list[bytes]] = [[] for _ in self._position]
+        for k in keys:
+            groups[self._position[get_offload_group_idx(k)]].append(kvtier_key(k))
+        return KVTierSpecs(groups=groups)
+
     # ---- loads and stores ----------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        return KVTierSpecs([kvtier_key(k) for k in keys])
+        return self._specs(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
-        return PrepareStoreOutput(keys_to_store=keys, store_spec=KVTierSpecs([kvtier_key(k) for k in keys]),
-                                  evicted_keys=[])
+        return PrepareStoreOutput(keys_to_store=keys, store_spec=self._specs(keys), evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         if success:
@@ -151,5 +209,5 @@ class KVTierManager(OffloadingManager):
 
     def shutdown(self) -> None:
         self.events.close()
-        self.client.close()
-        self._probe.close()
+        for group in self.groups.values():
+            group.close()

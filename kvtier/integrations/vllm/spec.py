@@ -7,6 +7,11 @@ while vLLM builds the spec. The stock ``OffloadingConnector`` cannot report a
 failed load (it asserts success), so the spec refuses to run under it
 rather than risk vLLM reading blocks a failed load never wrote.
 
+Every KV cache group vLLM offloads (``config.groups``: one for most models,
+several for hybrid ones) becomes a ``TierGroup`` with its own namespace and
+TP layout; sliding-window, chunked-local and Mamba groups are "windowed"
+(vLLM looks their chunks up one by one, from the end).
+
 ``kv_connector_extra_config`` keys read here (all optional):
 ``kvtier_socket`` (default: ``$KVTIER_SOCKET`` or the standard path),
 ``kvtier_events`` (the daemon's block event endpoint, its ``events``
@@ -26,10 +31,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm.platforms import current_platform
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from .groups import TierGroup
 from .naming import EngineIdentity
 from .slices import KVSlices, plan
 
@@ -52,17 +58,17 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 "KVTierOffloadingSpec must be loaded by KVTierConnector: set kv_connector="
                 "'KVTierConnector' and kv_connector_module_path='kvtier.integrations.vllm' (the stock "
                 "OffloadingConnector cannot report failed loads)")
-        if len(config.groups) != 1:
-            raise NotImplementedError("kvtier supports models with one KV cache group "
-                                      f"(this model has {len(config.groups)})")
         vc = engine.vllm_config
         group = config.groups[0]
         tp_layout = self.extra_config.get("kvtier_tp_layout", "shared")
         if tp_layout not in ("shared", "per-rank"):
             raise ValueError(f"kvtier_tp_layout must be 'shared' or 'per-rank', not {tp_layout!r}")
-        self._layout = _LayoutFacts.of(vc, engine.kv_cache_config, group.group_id, config.kv_cache_layout)
+        self._layouts = [_LayoutFacts.of(vc, engine.kv_cache_config, g.group_id, config.kv_cache_layout)
+                         for g in config.groups]
         if tp_layout == "per-rank":
-            self._layout = replace(self._layout, replicated=False, head_major=False)
+            self._layouts = [replace(f, replicated=False, head_major=False) for f in self._layouts]
+        self.windowed = [_windowed(engine.kv_cache_config, g.group_id) for g in config.groups]
+        self._group_layers = [engine.kv_cache_config.kv_cache_groups[g.group_id].layer_names for g in config.groups]
         self.slices = self.slices_of(0)
         self.identity = EngineIdentity(
             model=vc.model_config.model, revision=vc.model_config.revision,
@@ -73,8 +79,6 @@ class KVTierOffloadingSpec(OffloadingSpec):
             tp_size=config.parallel.tp_size, pp_size=config.parallel.pp_size, group_id=group.group_id,
             hash_algo=vc.cache_config.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"),
             kv_slices=self.slices.tag() if self.slices.shared else "")
-        # The scheduler's stand-in registration: one slice of one engine block.
-        self.engine_block_bytes = sum(p // self.slices.count for p in self._layout.pages)
         self.socket = self.extra_config.get("kvtier_socket") or None
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -83,33 +87,46 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             from .manager import KVTierManager
             self.identity.warn_if_unshareable()
-            namespace = self.identity.namespace(0)
-            self._manager = KVTierManager(namespace, self.engine_block_bytes, self.blocks_per_chunk, self.socket,
+            groups = self.tier_groups(rank=0)
+            self._manager = KVTierManager(groups, self.blocks_per_chunk, self.socket,
                                           name=f"vllm-scheduler-{self.config.engine_id}"[:64],
-                                          events=self._events(namespace), slices=self.slices)
+                                          events=self._events(groups))
         return self._manager
 
-    def _events(self, namespace):
+    def tier_groups(self, rank: int) -> list[TierGroup]:
+        """The offloaded groups as worker ``rank`` stores them (the scheduler
+        looks up as rank 0; its stand-in block is one slice of an engine block)."""
+        out = []
+        for g, facts, windowed in zip(self.config.groups, self._layouts, self.windowed):
+            sl = self.slices_of(rank, facts)
+            ident = replace(self.identity, group_id=g.group_id, tokens_per_block=g.tokens_per_block,
+                            kv_slices=sl.tag() if sl.shared else "")
+            out.append(TierGroup(g.group_id, ident.namespace(rank), sum(p // sl.count for p in facts.pages),
+                                 windowed, sl))
+        return out
+
+    def _events(self, groups: list[TierGroup]):
         from .events import DaemonFeed, TierEvents
         # vLLM drains take_events only when it publishes KV events.
         enabled = self.kv_events_config.enable_kv_cache_events
         endpoint = self.extra_config.get("kvtier_events") or None
-        feed = DaemonFeed(endpoint, namespace.fingerprint()) if enabled and endpoint else None
-        return TierEvents(enabled, feed, self.slices)
+        feeds = ({g.group_idx: DaemonFeed(endpoint, g.namespace.fingerprint()) for g in groups}
+                 if enabled and endpoint else None)
+        return TierEvents(enabled, feeds, {g.group_idx: g.slices for g in groups})
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             from .worker import KVTierWorker
-            rank = self.config.parallel.rank
-            slices = self.slices_of(rank)
-            self._worker = KVTierWorker(kv_caches, self.identity.namespace(rank), self.blocks_per_chunk,
-                                        self.socket, name=f"vllm-worker{rank}-{self.config.engine_id}"[:64],
-                                        slices=slices)
+            groups = self.tier_groups(self.config.parallel.rank)
+            self._worker = KVTierWorker(kv_caches, [g.namespace for g in groups], self.blocks_per_chunk,
+                                        self.socket,
+                                        name=f"vllm-worker{self.config.parallel.rank}-{self.config.engine_id}"[:64],
+                                        slices=[g.slices for g in groups])
         return self._worker
 
-    def slices_of(self, rank: int) -> KVSlices:
-        """How worker ``rank`` cuts a chunk into kvtier blocks (``slices.py``)."""
-        f = self._layout
+    def slices_of(self, rank: int, facts: "_LayoutFacts | None" = None) -> KVSlices:
+        """How worker ``rank`` cuts a chunk of a group (default: the first) into kvtier blocks (``slices.py``)."""
+        f = facts or self._layouts[0]
         return plan(self.config.parallel.tp_size, rank % self.config.parallel.tp_size, f.total_kv_heads,
                     f.replicated, f.head_major)
 
@@ -120,14 +137,19 @@ class KVTierOffloadingSpec(OffloadingSpec):
         vLLM's CPU attention lays KV out so; if this worker's tensors are not,
         it falls back to the per-rank layout (its blocks are never shared; a
         hit another engine stored fails to load here and vLLM recomputes)."""
-        if self._layout.head_major and not all(_heads_outermost(t, self._layout.local_kv_heads)
-                                               for t in kv_caches.values()):
-            import logging
-            logging.getLogger("kvtier.vllm").error(
-                "kvtier: KV tensors are not head-major %s; this worker uses the per-rank layout",
-                sorted({tuple(t.shape) for t in kv_caches.values()}))
-            self._layout = replace(self._layout, replicated=False, head_major=False)
-            self.identity = replace(self.identity, kv_slices="")
+        checked = []
+        for f, layers in zip(self._layouts, self._group_layers):
+            tensors = [kv_caches[n] for n in layers if n in kv_caches]
+            if f.head_major and not all(_heads_outermost(t, f.local_kv_heads) for t in tensors):
+                import logging
+                logging.getLogger("kvtier.vllm").error(
+                    "kvtier: KV tensors are not head-major %s; this worker uses the per-rank layout",
+                    sorted({tuple(t.shape) for t in tensors}))
+                f = replace(f, replicated=False, head_major=False)
+            checked.append(f)
+        self._layouts = checked
+        self.slices = self.slices_of(0)
+        self.identity = replace(self.identity, kv_slices=self.slices.tag() if self.slices.shared else "")
 
 
 @dataclass(frozen=True)
@@ -176,3 +198,11 @@ def _heads_outermost(t, heads: int) -> bool:
             return False
         inner *= size
     return t.stride(1) == inner and (heads == 1 or t.stride(0) == heads * inner)
+
+
+def _windowed(kv_cache_config, group_id: int) -> bool:
+    """True unless the group is full attention (vLLM then looks its chunks up as a prefix)."""
+    spec = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return not all(isinstance(s, FullAttentionSpec) for s in spec.kv_cache_specs.values())
+    return not isinstance(spec, FullAttentionSpec)

@@ -1,21 +1,25 @@
 """Worker side (vLLM worker process): move chunks between vLLM's KV cache and kvtier.
 
-A thin shim over ``EngineKV``: vLLM's canonical per-layer KV tensors are
-registered as they are, CPU ones adopted into shared memory (their storage
-moves, so attention's views read the new memory), CUDA ones in place over CUDA
-IPC (each TP rank registers its own GPU). Each layer tensor is registered as
-one tensor of ``(num_blocks, page_bytes)``; one kvtier block holds
-``blocks_per_chunk`` engine blocks of every layer. On CUDA a store is fenced
-on the worker's stream when it is submitted (after the forward that wrote the
-blocks) and a finished load makes that stream wait for the daemon's copy
-before vLLM's next step reads the blocks.
+A thin shim over ``EngineKV``, one per KV cache group: vLLM's canonical
+per-layer KV tensors are registered as they are, CPU ones adopted into shared
+memory (their storage moves, so attention's views read the new memory), CUDA
+ones in place over CUDA IPC (each TP rank registers its own GPU). Each layer
+tensor is registered as one tensor of ``(num_blocks, page_bytes)``; one
+kvtier block holds ``blocks_per_chunk`` engine blocks of every layer of its
+group. On CUDA a store is fenced on the worker's stream when it is submitted
+(after the forward that wrote the blocks) and a finished load makes that
+stream wait for the daemon's copy before vLLM's next step reads the blocks.
+
+Hybrid models (``groups.py``): the groups' layers are views of the same
+tensors (each group has its own block ids in them), so the memory is adopted
+once and each group registers its views of it in its own namespace.
 
 TP layouts (``slices.py``): with head slices each layer is registered as
 ``(num_blocks * count, page / count)`` - row ``block * count + j`` is local
-head ``j`` of ``block`` - and a job becomes one transfer per held slice
-(keys ``held_keys``); with replicated KV this rank stores only the chunks it
-``writes`` and a job with none finishes at once. A job is done when all its
-transfers are, and a load succeeds only when every one did.
+head ``j`` of ``block`` - and a group's part of a job becomes one transfer per
+held slice (keys ``held_keys``); with replicated KV this rank stores only the
+chunks it ``writes``. A job is done when all its transfers (every group,
+every slice) are, and a load succeeds only when every one did.
 
 Jobs never fail at submission: a load the daemon could not serve (evicted
 since the lookup, daemon gone) comes back from ``get_finished`` with
@@ -26,6 +30,7 @@ recomputes. A store that fails only means a later miss.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -36,65 +41,96 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client import Client, Namespace
-from ..engine_kv import EngineKV, Finished
+from ..engine_kv import EngineKV, export_groups
+from .groups import GroupTransfer, split_job
 from .manager import KVTierSpecs
 from .slices import PER_RANK, KVSlices
 
 log = logging.getLogger("kvtier.vllm")
 
 
+@dataclass
+class _Job:
+    is_load: bool
+    waiting: set[tuple[int, int]]        # (group position, slice) transfers still in flight
+    moved: int = 0                       # bytes
+    ok: bool = True
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
 class KVTierWorker(OffloadingWorker):
-    def __init__(self, kv_caches: CanonicalKVCaches, namespace: Namespace, blocks_per_chunk: int,
-                 socket: str | None, name: str, slices: KVSlices = PER_RANK):
-        if len(kv_caches.group_data_refs) != 1:
-            raise NotImplementedError("kvtier supports models with one KV cache group")
-        refs = kv_caches.group_data_refs[0]
-        self.slices = slices
+    def __init__(self, kv_caches: CanonicalKVCaches, namespaces: Namespace | list[Namespace],
+                 blocks_per_chunk: int, socket: str | None, name: str,
+                 slices: KVSlices | list[KVSlices] = PER_RANK):
+        """``namespaces[g]``, ``slices[g]``: group ``g``'s, in ``group_data_refs`` order."""
+        groups = kv_caches.group_data_refs
+        namespaces = [namespaces] if isinstance(namespaces, Namespace) else list(namespaces)
+        self.slices = [slices] * len(groups) if isinstance(slices, KVSlices) else list(slices)
+        if len(namespaces) != len(groups) or len(self.slices) != len(groups):
+            raise ValueError(f"{len(namespaces)} namespaces and {len(self.slices)} layouts "
+                             f"for {len(groups)} KV cache groups")
         # The unpadded page of each layer: padding never holds KV.
-        views = [_sliced(kv_caches.tensors[r.tensor_idx].tensor, r.page_size_bytes, slices.count) for r in refs]
-        self.engine_block_bytes = sum(r.page_size_bytes for r in refs) // slices.count  # one slice
+        views = [[_sliced(kv_caches.tensors[r.tensor_idx].tensor, r.page_size_bytes, sl.count) for r in refs]
+                 for refs, sl in zip(groups, self.slices)]
+        # Bytes of one slice of one engine block, per group.
+        self.group_block_bytes = [sum(r.page_size_bytes for r in refs) // sl.count
+                                  for refs, sl in zip(groups, self.slices)]
         self.k = blocks_per_chunk
-        self.engine = EngineKV(views, [0] * len(views), Client(socket, name=name, require_daemon=False),
-                               namespace, block_factor=blocks_per_chunk)
-        self._parts: dict[int, list[Finished | None]] = {}   # job -> its transfers' results so far
-        self._done_now: list[TransferResult] = []           # jobs with nothing for this rank to move
+        caches = export_groups(views)
+        self.engines = [EngineKV(v, [0] * len(v), Client(socket, name=name if len(views) == 1 else f"{name[:60]}-g{g}",
+                                                         require_daemon=False),
+                                 ns, block_factor=blocks_per_chunk, kv=kv)
+                        for g, (v, ns, kv) in enumerate(zip(views, namespaces, caches))]
+        self._jobs: dict[int, _Job] = {}
+        self._done: list[TransferResult] = []   # jobs with nothing to move, or refused
+
+    @property
+    def engine(self) -> EngineKV:
+        """The first group's engine (a one-group model's only one)."""
+        return self.engines[0]
+
+    @property
+    def engine_block_bytes(self) -> int:
+        return sum(self.group_block_bytes)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     *args, **kwargs) -> bool:
         assert isinstance(src_spec, KVTierSpecs)
-        ids = dst_spec.block_ids.tolist()
-        skip = int(dst_spec.block_indices[0]) % self.k if len(dst_spec.block_indices) else 0
-        return self._submit(job_id, True, src_spec.hashes, ids, skip)
+        return self._submit(job_id, True, src_spec, dst_spec)
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec,
                      *args, **kwargs) -> bool:
         assert isinstance(dst_spec, KVTierSpecs)
-        return self._submit(job_id, False, dst_spec.hashes, src_spec.block_ids.tolist(), 0)
+        return self._submit(job_id, False, dst_spec, src_spec)
 
-    def _submit(self, job_id: int, is_load: bool, hashes: list[bytes], ids: list[int], skip: int) -> bool:
-        if self.engine.enabled and len(ids) != len(hashes) * self.k - skip:
-            # Never a partial chunk here (vLLM sends whole chunks); refuse rather
-            # than guess which blocks go where: a load fails, a store is dropped.
-            log.warning("kvtier: job %d has %d blocks for %d chunks (skip %d); not transferred",
-                        job_id, len(ids), len(hashes), skip)
-            self.engine.fail(job_id, is_load, len(ids), "blocks do not make whole chunks")
+    def _submit(self, job_id: int, is_load: bool, keys: KVTierSpecs, blocks: GPULoadStoreSpec) -> bool:
+        ids = blocks.block_ids.tolist()
+        sizes = blocks.group_sizes if blocks.group_sizes is not None else [len(ids)]
+        indices = blocks.block_indices if len(blocks.block_indices) else [0] * len(sizes)
+        transfers, problems = split_job(keys.groups, ids, sizes, indices, self.k, is_load)
+        if problems and any(e.enabled for e in self.engines):
+            # Never a partial chunk here (vLLM sends whole chunks, a store's first
+            # one aside); refuse rather than guess which blocks go where.
+            log.warning("kvtier: job %d: %s; %s", job_id, "; ".join(problems),
+                        "load fails" if is_load else "those groups not stored")
+        if is_load and problems:
+            self._done.append(TransferResult(job_id, success=False, transfer_size=0, transfer_time=0.0))
             return True
-        parts = self._transfers(is_load, hashes, ids, skip)
-        if not parts:  # replicated KV: another rank writes every chunk of this store
-            self._done_now.append(TransferResult(job_id, success=True))
+        parts = [(t.position, j, h, b, t.skip) for t in transfers for j, (h, b) in enumerate(self._slices(is_load, t))]
+        if not parts:  # nothing for this rank (replicated KV: another rank writes these chunks)
+            self._done.append(TransferResult(job_id, success=True, transfer_size=0, transfer_time=0.0))
             return True
-        if len(parts) == 1:
-            self.engine.submit(job_id, is_load, *parts[0], skip)
-            return True
-        self._parts[job_id] = [None] * len(parts)
-        for j, (part_hashes, part_ids) in enumerate(parts):
-            self.engine.submit((job_id, j), is_load, part_hashes, part_ids, skip)
+        self._jobs[job_id] = _Job(is_load, {(g, j) for g, j, *_ in parts})
+        for g, j, hashes, block_ids, skip in parts:
+            self.engines[g].submit((job_id, j), is_load, hashes, block_ids, skip)
         return True
 
-    def _transfers(self, is_load: bool, hashes: list[bytes], ids: list[int],
-                   skip: int) -> list[tuple[list[bytes], list[int]]]:
-        """(kvtier keys, engine rows) per held slice; stores keep only the chunks this rank writes."""
-        sl, k = self.slices, self.k
+    def _slices(self, is_load: bool, t: GroupTransfer) -> list[tuple[list[bytes], list[int]]]:
+        """(kvtier keys, engine rows) per held slice of one group's part; stores
+        keep only the chunks this rank writes."""
+        sl, k = self.slices[t.position], self.k
+        hashes, ids = t.hashes, t.block_ids
         if not is_load and sl.replicas > 1:
             mine = [i for i, h in enumerate(hashes) if sl.writes(h)]
             hashes, ids = [hashes[i] for i in mine], [b for i in mine for b in ids[i * k:(i + 1) * k]]
@@ -106,39 +142,48 @@ class KVTierWorker(OffloadingWorker):
         return [([ks[j] for ks in keys], [sl.engine_id(b, j) for b in ids]) for j in range(sl.count)]
 
     def get_finished(self) -> list[TransferResult]:
-        out, self._done_now = self._done_now, []
-        for f in self.engine.finished():
-            if not isinstance(f.job_id, tuple):
-                out.append(self._result(f.job_id, [f]))
-                continue
-            job_id, j = f.job_id
-            parts = self._parts[job_id]
-            parts[j] = f
-            if all(p is not None for p in parts):
-                del self._parts[job_id]
-                out.append(self._result(job_id, parts))
+        out, self._done = self._done, []
+        for g, engine in enumerate(self.engines):
+            for f in engine.finished():
+                job_id, j = f.job_id
+                job = self._jobs[job_id]
+                job.waiting.discard((g, j))
+                result = f.result
+                job.moved += (f.engine_blocks if f.is_load else result.done * self.k) * self.group_block_bytes[g]
+                job.seconds = max(job.seconds, f.seconds)
+                if f.is_load and not result.ok:
+                    job.ok = False
+                    if engine.enabled:
+                        job.errors.append(f"group {g}: {len(result.failed)} of {f.engine_blocks} "
+                                          f"({result.error or 'evicted'})")
+                if not job.waiting:
+                    del self._jobs[job_id]
+                    out.append(self._result(job_id, job))
         return out
 
-    def _result(self, job_id: int, parts: list[Finished]) -> TransferResult:
-        is_load = parts[0].is_load
-        ok = all(f.result.ok for f in parts)
-        if is_load and not ok and self.engine.enabled:
-            bad = [f.result for f in parts if not f.result.ok]
-            log.warning("kvtier: load job %d failed (%d of %d chunks): %s; vLLM recomputes", job_id,
-                        max(len(r.failed) for r in bad), parts[0].engine_blocks, bad[0].error or "evicted")
-        moved = sum(f.engine_blocks if is_load else f.result.done * self.k for f in parts)
-        return TransferResult(job_id, success=ok or not is_load, transfer_size=moved * self.engine_block_bytes,
-                              transfer_time=max(f.seconds for f in parts))
+    def _result(self, job_id: int, job: _Job) -> TransferResult:
+        if job.errors:
+            log.warning("kvtier: load job %d failed (%s); vLLM recomputes", job_id, "; ".join(job.errors))
+        return TransferResult(job_id, success=job.ok or not job.is_load,
+                              transfer_size=job.moved, transfer_time=job.seconds)
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until these jobs stopped touching their blocks (preemption:
         vLLM reuses the blocks right after). Their results still come from
         ``get_finished``."""
-        self.engine.wait([part for j in job_ids
-                          for part in ([(j, i) for i in range(len(self._parts[j]))] if j in self._parts else [j])])
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            for g, j in sorted(job.waiting) if job is not None else ():
+                self.engines[g].wait([(job_id, j)])
+
+    def held(self, job_id: int) -> tuple[int, ...]:
+        """Engine blocks the daemon may still touch for this job (() once it let go)."""
+        job = self._jobs.get(job_id)
+        return tuple(b for g, j in sorted(job.waiting) for b in self.engines[g].held((job_id, j))) if job else ()
 
     def shutdown(self) -> None:
-        self.engine.close()
+        for engine in self.engines:
+            engine.close()
 
 
 def _sliced(tensor, page_bytes: int, count: int):
