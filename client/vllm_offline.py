@@ -27,10 +27,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def kv_transfer_config(socket: str | None, block_size: int = 32, kvtier_events: str = "") -> dict:
-    """The one setting that puts a vLLM engine on kvtier."""
-    extra = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
-             "block_size": block_size}
+SPEC = "kvtier.integrations.vllm:KVTierOffloadingSpec"
+
+
+def kv_transfer_config(socket: str | None, block_size: int = 32, kvtier_events: str = "", spec: str = SPEC) -> dict:
+    """The one setting that puts a vLLM engine on kvtier (``spec``: MODULE:CLASS, a test's subclass)."""
+    module, _, name = spec.partition(":")
+    extra = {"spec_name": name, "spec_module_path": module, "block_size": block_size}
     if socket:
         extra["kvtier_socket"] = socket
     if kvtier_events:
@@ -68,11 +71,14 @@ def run_engine(args) -> dict:
     if not args.no_kvtier:
         from vllm.config import KVTransferConfig
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(args.socket, args.block_size,
-                                                                         args.kvtier_events))
+                                                                         args.kvtier_events, args.kvtier_spec))
     if args.kv_events:  # vLLM's KV event stream (what routers read), published on ZeroMQ
         from vllm.config import KVEventsConfig
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                 endpoint=args.kv_events, topic="kvtier")
+    if args.in_process:  # scheduler and worker in this process: no process starts (tests run several engines)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kw["distributed_executor_backend"] = "uni"
     t0 = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype=args.dtype,
               block_size=args.block_size, max_model_len=args.max_model_len, seed=0,
@@ -97,6 +103,8 @@ def run_engine(args) -> dict:
             value = getattr(m, "value", None)
             if isinstance(value, (int, float)):
                 metrics[m.name] = metrics.get(m.name, 0) + value
+    if args.in_process:
+        llm.llm_engine.engine_core.shutdown()  # the connector's clients let go before the next engine
     return {"tokens": tokens, "ttft_s": ttft, "start_s": start_s, "metrics": metrics}
 
 
@@ -111,7 +119,7 @@ def _pause(sync_dir: str) -> None:
 def engine_command(model: str, prompts_file: str, *, socket: str | None, kvtier: bool = True,
                    dtype: str = "bfloat16", max_tokens: int = 8, block_size: int = 32,
                    max_model_len: int = 4096, pause_after: int = -1, sync_dir: str = "",
-                   kv_events: str = "", kvtier_events: str = "") -> list[str]:
+                   kv_events: str = "", kvtier_events: str = "", kvtier_spec: str = SPEC) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "engine", "--model", model, "--prompts", prompts_file,
            "--dtype", dtype, "--max-tokens", str(max_tokens), "--block-size", str(block_size),
            "--max-model-len", str(max_model_len), "--pause-after", str(pause_after)]
@@ -125,6 +133,8 @@ def engine_command(model: str, prompts_file: str, *, socket: str | None, kvtier:
         cmd += ["--kv-events", kv_events]
     if kvtier_events:
         cmd += ["--kvtier-events", kvtier_events]
+    if kvtier_spec != SPEC:
+        cmd += ["--kvtier-spec", kvtier_spec]
     return cmd
 
 
@@ -165,6 +175,8 @@ def main(argv=None) -> int:
     e.add_argument("--kv-events", default="", help="publish vLLM's KV events on this ZeroMQ endpoint")
     e.add_argument("--kvtier-events", default="", help="the daemon's block event endpoint (its `events`)")
     e.add_argument("--mem-util", type=float, default=0.3, help="vLLM CPU: fraction of RAM it may reserve")
+    e.add_argument("--kvtier-spec", default=SPEC, help="the offloading spec, MODULE:CLASS")
+    e.add_argument("--in-process", action="store_true", help="no engine-core or worker process (CPU)")
     ap.add_argument("--model", default=None, help="checkpoint dir or id (default: a tiny random Llama)")
     ap.add_argument("--socket", default=None, help="kvtier socket (default: KVTIER_SOCKET or the standard path)")
     ap.add_argument("--start-daemon", action="store_true", help="run a private kvtier-daemon for the example")

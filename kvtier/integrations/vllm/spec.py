@@ -60,6 +60,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 "OffloadingConnector cannot report failed loads)")
         vc = engine.vllm_config
         group = config.groups[0]
+        for g in config.groups:
+            _check_offloadable(engine.kv_cache_config, g.group_id)
         tp_layout = self.extra_config.get("kvtier_tp_layout", "shared")
         if tp_layout not in ("shared", "per-rank"):
             raise ValueError(f"kvtier_tp_layout must be 'shared' or 'per-rank', not {tp_layout!r}")
@@ -198,6 +200,15 @@ def _heads_outermost(t, heads: int) -> bool:
             return False
         inner *= size
     return t.stride(1) == inner and (heads == 1 or t.stride(0) == heads * inner)
+
+
+def _check_offloadable(kv_cache_config, group_id: int) -> None:
+    """Attention KV only: a Mamba / linear-attention state is not a run of token blocks."""
+    spec = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+    specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    odd = sorted({type(s).__name__ for s in specs if not isinstance(s, AttentionSpec)})
+    if odd:
+        raise NotImplementedError(f"kvtier offloads attention KV only; KV cache group {group_id} holds {odd}")
 
 
 def _windowed(kv_cache_config, group_id: int) -> bool:
