@@ -111,8 +111,8 @@ def fill(sock: str, kv, n: int) -> list[bytes]:
     hs = hashes(n)
     with Client(sock, name="filler", timeout=120) as c:
         c.register_kv_cache(kv, [0] * LAYERS, NS)
-        for start in range(0, n, SHAPE[0]):
-            part = hs[start:start + SHAPE[0]]
+        for start in range(0, n, PER_LOAD):  # 16 MiB stores: within any pool's write-behind queue
+            part = hs[start:start + PER_LOAD]
             assert c.store(part, list(range(len(part)))).wait().ok
             while disk_stats(sock)["queued_bytes"]:  # let the write-behind keep up (no block skipped)
                 time.sleep(0.01)
