@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from tests.daemon.test_reaping import wait_for
+from tests.daemon.test_warm_restart import warm  # noqa: F401  (the fixture)
 from tests.helpers import NS, block_bytes, make_kv
 
 BLOCK = 16 * 1024  # tests.helpers SHAPE: 4 layers x 4 KiB per engine block
@@ -287,3 +288,34 @@ def test_blocks_of_a_size_o_direct_cannot_read_load_buffered_and_byte_exact(daem
     s = restart_and_load(daemon_factory, tmp_path / "disk", kv, chain(8, 16), odd)
     assert s["o_direct"] and (s["read"], s["read_direct"]) == (16, 0)
     kv.close()
+
+
+def test_with_warm_restart_a_block_read_back_from_disk_is_kept_in_ram_across_a_sigkill(warm, tmp_path):
+    """Both tiers on: the kept pool and the disk files are independent. A block RAM evicted is
+    read back from disk, journaled as a store would be, and the next daemon (after SIGKILL)
+    adopts it in RAM without touching the disk again."""
+    env = disk_env(tmp_path / "disk", "16MiB")
+    first = warm(env=env, pool_size="2MiB", slab_size="1MiB")
+    kv = make_kv(seed=11)
+    hs = chain(11, 16)
+    with first.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        assert c.store(hs, list(range(16))).wait().ok
+        want = block_bytes(kv, range(16))
+        assert written(first, 16)
+        evict_ram(first, c, range(120, 126))
+        assert c.lookup(hs) == 16 and first.stats()["disk"]["read"] == 0
+        assert c.load(hs, list(range(16, 32))).wait().ok  # from disk, back into the pool
+        assert first.stats()["disk"]["read"] == 16
+    first.stop(signal.SIGKILL)
+    second = warm(env=env, pool_size="2MiB", slab_size="1MiB")
+    assert scanned(second)
+    with second.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        for t in kv.tensors:
+            t.zero_()
+        assert c.load(hs, list(range(16))).wait().ok
+        assert all(torch.equal(a, b) for a, b in zip(want, block_bytes(kv, range(16))))
+    s = second.stats()
+    assert s["disk"]["read"] == 0 and s["warm_restart"]["verify_failed"] == 0  # all 16 from the kept pool
+    assert s["warm_restart"]["adopted_blocks"] >= 16
