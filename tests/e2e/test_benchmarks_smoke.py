@@ -132,6 +132,17 @@ def test_bench_remote_reports_load_lookup_and_store_against_baselines():
     assert store["write_behind_gbps"] > 0 and store["no_remote_gbps"] > 0 and store["visible_on_b_ms"] > 0
 
 
+def test_bench_disk_reports_loads_against_dd_the_io_methods_and_lookups():
+    out = json.loads(script("bench_disk.py", "--bytes", "16MiB", "--reps", "1", "--threads", "2",
+                            "--lookups", "20", "--cache", "fadvise", "--json"))
+    assert out["loads"]["cache"] == "fadvise" and out["blocks"] == 64
+    assert min(out["loads"]["kvtier"]["2"] + out["loads"]["dd"] + out["loads"]["fio4"] + out["loads"]["files"]) > 0
+    assert set(out["method"]) == {"2-buffered", "2-bounce", "2-direct"}
+    assert min(out["writes"]["fsync"] + out["writes"]["no_fsync"]) > 0
+    assert set(out["lookups"]["round_trip_us"]) == {"ram", "disk"}
+    assert len(out["lookups"]["in_process_ns"]) == 4 and len(out["loadavg"]) == 2
+
+
 def test_bench_engine_reports_every_row_of_issue_16_as_a_ratio():
     """Copy rows (per-layer, scattered), lookups next to the bare echo (over the
     socket and from the daemon's shm lookup mirror) and the multi-client throughput rows."""
