@@ -285,7 +285,7 @@ def main(argv=None) -> int:
               bl.table(["way", "tokens/s median", "vs plain (median of rounds)", "per round", "CPU s median",
                         "CPU vs plain", "forward CPU s", "forward CPU / plain's", "per round"], run_rows, title)]
     bl.emit({"start": starts, "hooks": {f"{w}: {k}": {"calls": n, "own_s": meter.own[w, k]}
-                                        for (w, k), n in meter.calls.items()},
+                                        for (w, k), n in meter.calls.items() if n},
              "runs": res, "steps": steps, "args": vars(args)}, tables, args.json)
     return 0
 

@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         client.close()
         kv.close()
         log = d.read_log()
-    dropped = [f"{line}   <- during: {during(line, results)}" for line in log.splitlines()
+    dropped = [{"line": line, "phase": during(line, results)} for line in log.splitlines()
                if "reaped" in line or "silent" in line]
     rows = []
     for name in ["no engine (before)", "engine starting", "engine idle", "engine generating", "engine stopped", "no engine (after)"]:
@@ -264,7 +264,8 @@ def main(argv=None) -> int:
                         "STATS max ms", "lookups", "lookup p50 ms",
                         "lookup p99 ms", "lookup max ms", "engine CPU % (median)", "load avg", "status errors"],
                        rows, head),
-              "daemon log lines that reaped or dropped a client:\n" + ("\n".join(dropped) or "  (none)")]
+              "daemon log lines that reaped or dropped a client:\n"
+              + ("\n".join(f"{d['line']}   <- during: {d['phase']}" for d in dropped) or "  (none)")]
     bl.emit({"phases": results, "dropped": dropped, "start_s": start_s, "args": vars(args)}, tables, args.json)
     return 0
 

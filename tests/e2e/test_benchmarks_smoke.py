@@ -196,3 +196,35 @@ def test_bench_hf_side_by_side_produces_every_row():
         assert [ln.split("|")[1].strip() for ln in rows] == list(engines)
         assert "tokens identical to plain HF in every run" in out[out.index(title):].splitlines()[0]
     assert "RESULT second-process TTFT median" in out
+
+
+def test_bench_hf_nodaemon_counts_every_hook_and_compares_every_way(tmp_path):
+    """Plain HF, plain HF on memfd pages, kvtier with no daemon and with one, in one
+    process at toy sizes: the same tokens every way (the script exits otherwise), every
+    way timed, and with no daemon kvtier neither stores, hashes nor looks anything up."""
+    report = tmp_path / "hf.json"
+    run([os.path.join(SCRIPTS, "bench_hf_nodaemon.py"), "--runs", "1", "--start-reps", "1", "--requests", "4",
+         "--prompt-min", "16", "--prompt-max", "40", "--new-tokens", "4", "--hidden", "128", "--layers", "2",
+         "--json", str(report)], timeout=600)
+    data = json.loads(report.read_text())
+    assert set(data["runs"]) == {"plain", "memfd", "nodaemon", "tier"}
+    assert all(len(r["wall"]) == 1 and r["fwd_cpu"][0] > 0 for r in data["runs"].values())
+    hooks = data["hooks"]
+    assert hooks["nodaemon: scheduler.schedule_batch (step)"]["calls"] > 0
+    assert not any(k.startswith("nodaemon: tier.") for k in hooks), hooks  # nothing sent, hashed or looked up
+    assert hooks["tier: tier.lookup"]["calls"] == 4 and hooks["tier: tier.store"]["calls"] == 4
+
+
+def test_bench_status_under_load_runs_a_tp2_engine_and_no_phase_drops_its_clients(tmp_path):
+    """A real TP=2 vLLM engine on kvtier's connector: ``kvtier status`` answers in every
+    phase (engine starting, idle, generating, SIGSTOPped, gone) and the daemon reaps none of
+    the engine's clients while the engine lives - a stopped process is not a dead one."""
+    report = tmp_path / "status.json"
+    run([os.path.join(SCRIPTS, "bench_status_under_load.py"), "--rounds", "1", "--phase-s", "2",
+         "--json", str(report)], timeout=900)
+    data = json.loads(report.read_text())
+    phases = {p["phase"] for p in data["phases"]}
+    assert {"engine starting", "engine idle", "engine generating", "engine stopped"} <= phases
+    assert all(p["status_s"] and not p["status_failures"] for p in data["phases"])
+    live = [d for d in data["dropped"] if d["phase"].startswith("engine ")]
+    assert not live, live
