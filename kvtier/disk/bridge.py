@@ -204,7 +204,8 @@ class DiskBridge:
             self.counters["no_room"] += len(wanted)
             return None
         items = [(on_disk[plan.entries[i].key], plan.entries[i].offset) for i in got]
-        job = self.io.read(items, ns.block_bytes, (plan, got), time.monotonic() + self.timeout_s)
+        job = self.io.read(items, ns.block_bytes, (plan, got, self.generation[ns.fingerprint]),
+                           time.monotonic() + self.timeout_s)
         self.loads[job] = []
         self.reading.update(((ns.fingerprint, plan.entries[i].key), job) for i in got)
         return job
@@ -236,8 +237,11 @@ class DiskBridge:
     def _read(self, job) -> None:
         """The reads returned: commit what verified, forget files that did not, answer the loads
         that waited for nothing else."""
-        plan, got = job.token
+        plan, got, gen = job.token
         failed = set(job.failed)
+        if gen != self.generation[plan.ns.fingerprint]:  # flushed while being read: commit nothing
+            failed = set(range(len(got)))
+            job.ok = []
         self.index.complete_store(plan, failed=[got[j] for j in failed])
         for i in got:
             self.reading.pop((plan.ns.fingerprint, plan.entries[i].key), None)
