@@ -130,7 +130,7 @@ class DiskIO:
         """A read has waited on the disk for over ``timeout``: new loads should not queue behind it."""
         now = time.monotonic()
         with self.lock:
-            return any(now - j.started > timeout for j in self._running) or bool(
+            return any(j.expired or now - j.started > timeout for j in self._running) or bool(
                 self._reads and self._reads[0].deadline < now)
 
     def snapshot(self) -> tuple[dict, dict]:
