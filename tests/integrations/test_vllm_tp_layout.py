@@ -99,8 +99,12 @@ def test_a_tp2_engine_stores_one_copy_that_a_tp1_engine_loads_whole(daemon):
         (ns,) = daemon.stats()["namespaces"]
         assert ns["bytes"] == 2 * K * LAYERS * HEADS * HEAD_BYTES  # one copy: each head once
         assert run(one, 2, True, keys, [8, 9, 10, 11]).success
+        # And starting mid-chunk (the engine holds the first block already): blocks 1..3.
+        assert run(one, 3, True, keys, [13, 14, 15], first=1).success
         for g, a, b in zip(got, src0, src1):
             assert torch.equal(g[8:12], torch.cat([a[0:4], b[0:4]], dim=1))
+            assert torch.equal(g[13:16], torch.cat([a[1:4], b[1:4]], dim=1))
+            assert not g[12].any()
     finally:
         for w in (one, r0, r1):
             w.shutdown()

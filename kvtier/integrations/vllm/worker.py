@@ -139,6 +139,11 @@ class KVTierWorker(OffloadingWorker):
         if sl.count == 1 and sl.slices == 1:
             return [(hashes, ids)]
         keys = [sl.held_keys(h) for h in hashes]
+        if not t.skip:  # one transfer: each chunk's slices in turn, each slice its own kvtier block
+            return [([key for ks in keys for key in ks],
+                     [sl.engine_id(b, j) for i in range(len(keys)) for j in range(sl.count)
+                      for b in ids[i * k:(i + 1) * k]])]
+        # A load starting mid-chunk skips the same blocks of every slice: one transfer per slice.
         return [([ks[j] for ks in keys], [sl.engine_id(b, j) for b in ids]) for j in range(sl.count)]
 
     def get_finished(self) -> list[TransferResult]:
