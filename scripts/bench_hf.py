@@ -12,9 +12,11 @@ anything is timed, the same settings (printed, with any difference): plain
 HF, HF with kvtier (daemon up), HF with kvtier and no daemon at its socket.
 Each run sends the same requests to every engine in turn, the order
 rotating, ``--runs`` runs; the ratio is the median of the per-run ratios to
-plain HF. Timed from submitting the requests to the last result, once the
-engine has started (HF builds its paged cache and kvtier attaches on the
-generation thread after ``start()``: waited for, untimed).
+plain HF; as a second reading, which other jobs' load moves less, the engine
+process's CPU seconds over plain HF's (the daemon's own CPU not included).
+Timed from submitting the requests to the last result, once the engine has
+started (HF builds its paged cache and kvtier attaches on the generation
+thread after ``start()``: waited for, untimed).
 
 1. No reuse, no cache pressure: ``--requests`` new prompts of
    ``--prompt-min``..``--prompt-max`` tokens, ``--new-tokens`` each, a cache that
@@ -192,6 +194,7 @@ def side_by_side(args, sides: dict, socket: str, title: str, make_inputs, blocks
     Returns printed lines; tokens are checked identical to plain HF's in every run."""
     names = list(sides)
     walls = {n: [] for n in names}
+    cpus = {n: [] for n in names}  # this engine process's CPU seconds: other jobs' load moves it less
     last = {}
     load0 = os.getloadavg()[0]
     for run in range(args.runs):
@@ -203,19 +206,23 @@ def side_by_side(args, sides: dict, socket: str, title: str, make_inputs, blocks
                     client.flush()  # a run measures swap, not the prefix hits of an earlier run
             last[n] = sides[n].run(inputs, blocks, new)
             walls[n].append(last[n]["wall"])
+            cpus[n].append(last[n]["cpu"])
         for n in names[1:]:
             if last[n]["tokens"] != last["plain"]["tokens"]:
                 sys.exit(f"{n}: tokens differ from plain HF")
     generated = len(inputs) * new
     lines = [f"### {title} (load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; {args.runs} runs, tokens "
              f"identical to plain HF in every run)", "",
-             "| engine | tokens/s median | per run | vs plain HF (median of per-run ratios) | counters (last run) |",
-             "|---|---|---|---|---|"]
+             "| engine | tokens/s median | per run | vs plain HF (median of per-run ratios) "
+             "| engine CPU s / plain HF's (median of per-run ratios) | counters (last run) |",
+             "|---|---|---|---|---|---|"]
     for n in names:
         ratios = [walls["plain"][i] / walls[n][i] for i in range(args.runs)]
+        cpu_ratios = [cpus[n][i] / cpus["plain"][i] for i in range(args.runs)]
         rates = [generated / w for w in walls[n]]
         lines.append(f"| {n} | {statistics.median(rates):.1f} | {' '.join(f'{r:.1f}' for r in rates)} | "
-                     f"{statistics.median(ratios):.3f} | {last[n]['counters'] or ''} |")
+                     f"{statistics.median(ratios):.3f} | {statistics.median(cpu_ratios):.3f} | "
+                     f"{last[n]['counters'] or ''} |")
     print("\n".join(lines), flush=True)
     return lines
 
