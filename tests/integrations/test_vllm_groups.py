@@ -18,6 +18,7 @@ from kvtier.client import Namespace  # noqa: E402
 from kvtier.integrations.vllm.groups import TierGroup, split_job  # noqa: E402
 from kvtier.integrations.vllm.manager import KVTierManager, KVTierSpecs  # noqa: E402
 from kvtier.integrations.vllm.naming import kvtier_key  # noqa: E402
+from kvtier.integrations.vllm.spec import _check_offloadable, _windowed  # noqa: E402
 from kvtier.integrations.vllm.worker import KVTierWorker  # noqa: E402
 from tests.helpers import until_finished  # noqa: E402
 
@@ -152,3 +153,38 @@ def test_a_window_group_is_looked_up_chunk_by_chunk_a_full_group_as_a_prefix(dae
     finally:
         manager.shutdown()
         worker.shutdown()
+
+
+def test_a_job_naming_more_groups_than_the_worker_registered_is_refused_as_a_value(daemon):
+    """A forged or mismatched job (three groups for a two-group cache) moves
+    nothing: the load fails (vLLM recomputes), the store is dropped."""
+    caches, _ = hybrid_caches(seed=4)
+    w = KVTierWorker(caches, NAMESPACES, K, daemon.socket, name="vllm-worker")
+    try:
+        keys = KVTierSpecs(groups=[[kvtier_key(k)] for k in offload_keys(SWA, 3)])
+        three = vllm_base.GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[2, 2, 2], block_indices=[0, 0, 0])
+        w.submit_store(1, three, keys)
+        w.submit_load(2, keys, three)
+        got = finished(w, {1, 2})
+        assert got[1].success and not got[2].success
+    finally:
+        w.shutdown()
+    assert all(ns["stored"] == 0 for ns in daemon.stats()["namespaces"])
+
+
+def test_window_groups_are_told_apart_and_state_groups_refused_by_name():
+    """What the spec reads off vLLM's KV cache config: a sliding-window group
+    is looked up chunk by chunk, a full one as a prefix, and a Mamba state
+    group (not a run of token blocks) stops the engine's start with its name."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                            SlidingWindowSpec)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=64)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float32,))
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0"], window), KVCacheGroupSpec(["l1"], full), KVCacheGroupSpec(["l2"], mamba)])
+    assert [_windowed(cfg, g) for g in (0, 1)] == [True, False]
+    for g in (0, 1):
+        _check_offloadable(cfg, g)
+    with pytest.raises(NotImplementedError, match="group 2 holds \\['MambaSpec'\\]"):
+        _check_offloadable(cfg, 2)

@@ -108,7 +108,10 @@ class KVTierWorker(OffloadingWorker):
         ids = blocks.block_ids.tolist()
         sizes = blocks.group_sizes if blocks.group_sizes is not None else [len(ids)]
         indices = blocks.block_indices if len(blocks.block_indices) else [0] * len(sizes)
-        transfers, problems = split_job(keys.groups, ids, sizes, indices, self.k, is_load)
+        if len(sizes) != len(self.engines):  # a job for another model's groups: never guess
+            transfers, problems = [], [f"{len(sizes)} groups in the job, {len(self.engines)} registered"]
+        else:
+            transfers, problems = split_job(keys.groups, ids, sizes, indices, self.k, is_load)
         if problems and any(e.enabled for e in self.engines):
             # Never a partial chunk here (vLLM sends whole chunks, a store's first
             # one aside); refuse rather than guess which blocks go where.
