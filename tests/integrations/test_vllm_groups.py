@@ -130,7 +130,9 @@ def test_a_load_that_fails_in_one_group_fails_the_whole_job(daemon):
 def test_a_window_group_is_looked_up_chunk_by_chunk_a_full_group_as_a_prefix(daemon):
     """vLLM scans a sliding-window group from the end for a run of hits as
     long as the window; the chunks before it need not be in the pool. So the
-    window group's answers are per chunk, the full group's a prefix."""
+    window group's answers are per chunk, the full group's a prefix. A group
+    costs one round trip, when vLLM first looks into it (a miss in the first
+    group, after which vLLM stops, costs one)."""
     caches, _ = hybrid_caches(seed=3)
     worker = KVTierWorker(caches, NAMESPACES, K, daemon.socket, name="vllm-worker")
     manager = KVTierManager(GROUPS, K, daemon.socket, name="vllm-scheduler")
@@ -142,10 +144,12 @@ def test_a_window_group_is_looked_up_chunk_by_chunk_a_full_group_as_a_prefix(dae
         assert finished(worker, {1})[1].success
         ctx = vllm_base.ReqContext(req_id="r1")
         for keys in (swa, full):
-            manager.prefetch("r1", keys)
+            manager.expect("r1", keys)
+        assert manager.round_trips == 0
         hit = vllm_base.LookupResult.HIT
-        assert [manager.lookup(k, ctx) == hit for k in swa] == [False, False, True, True]
         assert [manager.lookup(k, ctx) == hit for k in full] == [True, False, False, False]
+        assert manager.round_trips == 1  # one per group vLLM looks into, when it first does
+        assert [manager.lookup(k, ctx) == hit for k in swa] == [False, False, True, True]
         assert manager.round_trips == 2
         # Keys the scheduler lists group after group reach the worker apart.
         specs = manager.prepare_load(swa[2:] + full[:1], ctx)

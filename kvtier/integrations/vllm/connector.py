@@ -10,9 +10,9 @@ What it changes, and why:
   ``kv_load_failure_policy="recompute"``). The blocks a failed load may have
   half written are never used.
 * Scheduler side: before vLLM looks a request's chunks up one by one, the
-  request's keys go to the manager in one batch per KV cache group (one
-  round trip per request, group and step), and a request whose load failed
-  is never offered a hit again.
+  request's keys of each KV cache group go to the manager, which asks the
+  daemon about a group's keys in one round trip when vLLM first looks into
+  that group; a request whose load failed is never offered a hit again.
 
 With another spec (vLLM's CPU spec, a test's mock) the scheduler side is
 vLLM's own, unchanged: vLLM's offloading-connector tests pass with this class
@@ -107,7 +107,8 @@ class KVTierConnector(OffloadingConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def _prefetch(self, request: "Request", num_computed_tokens: int) -> None:
-        """One batched lookup of the chunks vLLM is about to ask for one by one."""
+        """Hand the manager the chunks vLLM is about to ask for one by one (it
+        then looks each group up in one round trip, when vLLM first asks)."""
         sched = self.scheduler
         if not isinstance(sched.manager, KVTierManager):
             return  # another spec's manager: vLLM's per-chunk lookups, unchanged
@@ -117,7 +118,7 @@ class KVTierConnector(OffloadingConnector):
         state.update_offload_keys()  # idempotent; vLLM's own lookup calls it again
         for config, group in zip(sched.config.kv_group_configs, state.group_states):
             keys = group.offload_keys[num_computed_tokens // config.tokens_per_chunk:]
-            sched.manager.prefetch(request.request_id, keys)
+            sched.manager.expect(request.request_id, keys)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         super().update_connector_output(connector_output)

@@ -2,9 +2,11 @@
 
 The daemon owns the index, so this manager keeps no state of its own beyond
 one step's lookup answers. vLLM asks ``lookup`` one key at a time, and again
-every step for waiting requests; the connector calls ``prefetch`` with a
-request's keys first, so each request costs one round trip per KV cache
-group per step.
+every step for waiting requests; the connector first hands the manager a
+request's keys of each KV cache group (``expect``), and vLLM's first lookup
+in a group asks the daemon about all of them at once (``prefetch``): a
+request costs one round trip per group vLLM looks into per step, and a miss
+in the first group (vLLM then stops) costs one.
 
 Hybrid models: each group is looked up in its own namespace (``groups.py``),
 a full-attention group as a prefix (vLLM stops at its first miss), a
@@ -123,6 +125,7 @@ class KVTierManager(OffloadingManager):
                        for g in groups}
         self._position = {g.group_idx: i for i, g in enumerate(groups)}
         self._answers: dict[OffloadKey, bool] = {}   # this step's lookups
+        self._expected: dict[int, tuple[str, list[OffloadKey], set[OffloadKey]]] = {}  # group -> a request's keys
         self._excluded: set[str] = set()              # requests whose load failed
         self.round_trips = 0
         self._warned_unbatched = False
@@ -133,6 +136,12 @@ class KVTierManager(OffloadingManager):
         return all(g.enabled for g in self.groups.values())
 
     # ---- lookups -----------------------------------------------------------------------
+    def expect(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
+        """vLLM is about to look up ``keys`` (a request's chunks of one group,
+        in order): the first lookup of one of them asks about all (no I/O here)."""
+        if keys:
+            self._expected[get_offload_group_idx(keys[0])] = (req_id, list(keys), set(keys))
+
     def prefetch(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
         """Answer this step's lookups of ``keys`` (a request's chunks of one
         group, in order) with one round trip."""
@@ -146,13 +155,19 @@ class KVTierManager(OffloadingManager):
         self.events.stored(k for k, hit in zip(keys, found) if hit)
         # A prefix lookup knows only its first miss is gone; a windowed one knows each.
         misses = [k for k, hit in zip(keys, found) if not hit]
-        self.events.missing(misses if self.groups[get_offload_group_idx(keys[0])].group.windowed else misses[:1])
+        group = self.groups.get(get_offload_group_idx(keys[0]))
+        self.events.missing(misses if group is not None and group.group.windowed else misses[:1])
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self.enabled or req_context.req_id in self._excluded:
             return LookupResult.MISS
         hit = self._answers.get(key)
-        if hit is None:  # not prefetched (another caller of the connector's API)
+        if hit is None:
+            expected = self._expected.get(get_offload_group_idx(key))
+            if expected is not None and expected[0] == req_context.req_id and key in expected[2]:
+                self.prefetch(req_context.req_id, expected[1])
+                hit = self._answers.get(key)
+        if hit is None:  # not expected (another caller of the connector's API)
             if not self._warned_unbatched:
                 self._warned_unbatched = True
                 log.warning("kvtier: lookup without prefetch; one round trip per chunk")
@@ -201,6 +216,7 @@ class KVTierManager(OffloadingManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._answers.clear()  # the pool changes between steps
+        self._expected.clear()
 
     def reset_cache(self) -> None:
         # vLLM's reset_prefix_cache(reset_connector=True) lands here. The pool is
