@@ -192,3 +192,35 @@ def test_window_groups_are_told_apart_and_state_groups_refused_by_name():
         _check_offloadable(cfg, g)
     with pytest.raises(NotImplementedError, match="group 2 holds \\['MambaSpec'\\]"):
         _check_offloadable(cfg, 2)
+
+
+def test_kv_events_tell_groups_apart_and_follow_each_groups_daemon_feed():
+    """The same tokens make chunks in every group (one block hash, group in
+    the key): each is announced on vLLM's KV event stream, and the daemon's
+    removal in one group's namespace removes that group's chunk only."""
+    from kvtier.integrations.vllm.events import TierEvents
+
+    class Feed:  # one namespace's removed keys, as DaemonFeed.removed returns them
+        def __init__(self):
+            self.gone: list[bytes] = []
+
+        def removed(self):
+            out, self.gone = self.gone, []
+            return out
+
+        def close(self):
+            pass
+
+    feeds = {SWA: Feed(), FULL: Feed()}
+    ev = TierEvents(True, feeds)
+    swa, full = offload_keys(SWA, 2, salt="e"), offload_keys(FULL, 2, salt="e")
+    ev.stored(swa + full)
+    ev.stored(full)                                  # once each
+    (stored,) = ev.take()
+    assert not stored.removed and stored.keys == swa + full
+    feeds[FULL].gone = [kvtier_key(full[1])]          # the same hash as swa[1], in the full group's namespace
+    (removed,) = ev.take()
+    assert removed.removed and removed.keys == [full[1]]
+    ev.missing([swa[0]])                             # a window lookup found it gone
+    (removed,) = ev.take()
+    assert removed.keys == [swa[0]]
