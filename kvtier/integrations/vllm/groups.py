@@ -16,6 +16,17 @@ group's lookups for what its namespace holds and moves the chunks vLLM names,
 so a hit is never larger than what every group can load, and a load that
 fails in any group fails the whole request's receive (vLLM recomputes).
 
+What a window group stores: vLLM's interface hands ``prepare_store`` the
+chunks its scheduler chose, and kvtier stores exactly those. vLLM chooses
+only chunks whose blocks it still holds (its sliding-window manager frees a
+block once it falls out of the window, and never allocates the ones a
+one-step prefill would free at once) and that some hit could need
+(``reachable_block_mask``): since a later prompt may end at any chunk
+boundary, and a hit there needs the window before it, every chunk vLLM
+still holds is one some hit needs; ``prefix_cache_retention_interval``
+narrows the boundaries vLLM keeps, and so what is stored. kvtier cannot
+know better which boundaries future prompts will hit, so it adds no filter.
+
 Pure functions over plain values (no vLLM import, no I/O): the scheduler
 and every worker process agree on them. Primitives: ``TierGroup``,
 ``GroupTransfer``, ``split_job``.
