@@ -21,7 +21,7 @@ from kvtier.client import Namespace  # noqa: E402
 from kvtier.integrations.vllm.groups import TierGroup  # noqa: E402
 from kvtier.integrations.vllm.manager import KVTierManager, KVTierSpecs  # noqa: E402
 from kvtier.integrations.vllm.naming import kvtier_key  # noqa: E402
-from kvtier.integrations.vllm.slices import plan  # noqa: E402
+from kvtier.integrations.vllm.slices import plan, slice_key  # noqa: E402
 from kvtier.integrations.vllm.worker import KVTierWorker  # noqa: E402
 from tests.integrations.test_vllm_tier_events import offload_keys, req  # noqa: E402
 from tests.integrations.test_vllm_worker import finished, gpu_spec  # noqa: E402
@@ -128,6 +128,60 @@ def test_the_scheduler_hits_a_chunk_only_when_every_head_slice_is_in_the_pool(da
         sched.prefetch("b", okeys)
         assert [sched.lookup(k, req("b")) for k in okeys] == [vllm_base.LookupResult.HIT,
                                                              vllm_base.LookupResult.MISS]
+    finally:
+        sched.shutdown()
+        r0.shutdown()
+        r1.shutdown()
+
+
+def test_slice_keys_are_distinct_and_slice_0_is_the_chunks_own_key():
+    """Every slice of every chunk has its own key; a rank's held keys are its
+    part of ``all_keys``; many chunks at once give what one at a time gives."""
+    chunks = [kvtier_key(k) for k in offload_keys(64, salt=9)]
+    for heads, tp in itertools.product((1, 2, 4, 8), (1, 2, 4)):
+        full = plan(1, 0, heads, False, True)
+        flat = full.keys(chunks)
+        assert flat == [k for c in chunks for k in full.all_keys(c)]
+        assert len(set(flat)) == len(flat) == heads * len(chunks)
+        assert flat[::heads] == chunks  # slice 0: a lookup of the chunk keys asks for it
+        assert all(slice_key(c, h, heads) == full.all_keys(c)[h] for c in chunks[:4] for h in range(heads))
+        for rank in range(tp):
+            p = plan(tp, rank, heads, False, True)
+            assert p.keys(chunks, held=True) == [k for c in chunks for k in p.held_keys(c)]
+            assert p.held_keys(chunks[0]) == full.all_keys(chunks[0])[p.first:p.first + p.count]
+    with pytest.raises(ValueError):
+        plan(1, 0, 2, False, True).keys([b"short"])
+
+
+def test_a_miss_asks_for_one_key_per_chunk_and_a_hit_still_needs_every_slice(daemon):
+    """On a miss the scheduler's lookup costs the daemon what the per-rank
+    layout's does: one lookup of one key (slice 0) per chunk. Only chunks
+    whose slice 0 hit are asked for again with all their slices, so a chunk
+    missing head 1 is still a miss."""
+    r0, _ = worker(daemon, 2, 0, seed=8)
+    r1, _ = worker(daemon, 2, 1, seed=9)
+    sched = KVTierManager([TierGroup(0, HEADS_NS, LAYERS * HEAD_BYTES, slices=plan(1, 0, HEADS, False, True))],
+                          K, daemon.socket, name="sched")
+    okeys = offload_keys(3, salt=5)
+    keys = [kvtier_key(k) for k in okeys]
+
+    def asked():
+        (ns,) = daemon.stats()["namespaces"]
+        return ns["lookups"], ns["hits"] + ns["misses"]
+
+    try:
+        before = asked()
+        sched.prefetch("a", okeys)
+        assert [sched.lookup(k, req("a")) for k in okeys[:1]] == [vllm_base.LookupResult.MISS]
+        assert asked() == (before[0] + 1, before[1] + 3)
+        assert run(r0, 1, False, keys, list(range(6))).success      # head 0 of all three chunks
+        assert run(r1, 1, False, keys[:2], list(range(4))).success  # head 1 of the first two
+        sched.on_schedule_end(None)
+        before = asked()
+        sched.prefetch("b", okeys)
+        assert [sched.lookup(k, req("b")) for k in okeys] == [vllm_base.LookupResult.HIT] * 2 + [
+            vllm_base.LookupResult.MISS]
+        assert asked() == (before[0] + 2, before[1] + 3 + 3 * HEADS)
     finally:
         sched.shutdown()
         r0.shutdown()

@@ -6,7 +6,9 @@ every step for waiting requests; the connector first hands the manager a
 request's keys of each KV cache group (``expect``), and vLLM's first lookup
 in a group asks the daemon about all of them at once (``prefetch``): a
 request costs one round trip per group vLLM looks into per step, and a miss
-in the first group (vLLM then stops) costs one.
+in the first group (vLLM then stops) costs one (a hit in a head-sliced
+layout costs a second one, for the other slices of the chunks that hit,
+``slices.py``).
 
 Hybrid models: each group is looked up in its own namespace (``groups.py``),
 a full-attention group as a prefix (vLLM stops at its first miss), a
@@ -95,17 +97,23 @@ class _GroupLookup:
 
     def hits(self, hashes: list[bytes]) -> list[bool]:
         """Which of these chunks the pool holds whole (every TP slice,
-        ``slices.py``): a prefix for a full-attention group, each chunk on its
-        own for a windowed one. A refused lookup is all misses, never a crash."""
+        ``slices.py``): a prefix for a full-attention group (a second round
+        trip only when a sliced chunk hit), each chunk on its own for a
+        windowed one. A refused lookup is all misses, never a crash."""
         sl = self.group.slices
         n = sl.slices
         try:
             if not self.group.windowed:
-                keys = hashes if n == 1 else [k for h in hashes for k in sl.all_keys(h)]
-                whole = self.client.lookup(keys) // n
+                # Slice 0's key is the chunk's key: a miss costs what the
+                # per-rank layout's lookup costs; the other slices are asked
+                # for only over the prefix that hit.
+                whole = self.client.lookup(hashes)
+                if whole and n > 1:
+                    whole = self.client.lookup(sl.keys(hashes[:whole])) // n
                 return [i < whole for i in range(len(hashes))]
             asked = hashes[-(MAX_CHUNKS_PER_LOOKUP // n):]
-            found = self.client.lookup_many([sl.all_keys(h) for h in asked])
+            flat = sl.keys(asked)
+            found = self.client.lookup_many([flat[i:i + n] for i in range(0, len(flat), n)])
             return [False] * (len(hashes) - len(asked)) + [f == n for f in found]
         except KVTierError as exc:
             log.warning("kvtier: lookup failed: %s", exc)

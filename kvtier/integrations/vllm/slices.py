@@ -24,21 +24,61 @@ chosen per engine by ``plan``:
   parallelism): each rank its own namespace, as before; nothing is shared
   across TP sizes.
 
-Primitives: ``KVSlices`` (``held_keys``, ``all_keys``, ``writes``,
+Slice keys are cheap, because the scheduler makes them for every waiting
+request every step and a worker for every chunk it moves: slice 0's key is
+the chunk's key, slice ``h``'s is the chunk's key XOR a fixed 16-byte mask
+(one blake2b per slice count, not per key; a whole list in one numpy XOR).
+So a lookup can ask for slice 0 of every chunk first - on a miss exactly the
+per-rank layout's round trip - and for the other slices only of the chunks
+that hit. Two chunks' slice keys collide only when their keys differ by a
+fixed mask difference, which is as hard to arrange as two chunk keys
+colliding (a 128-bit birthday bound either way).
+
+Primitives: ``KVSlices`` (``held_keys``, ``all_keys``, ``keys``, ``writes``,
 ``engine_id``, ``tag``), ``plan``, ``slice_key``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+KEY_BYTES = 16  # a kvtier key (naming.kvtier_key)
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(slices: int) -> np.ndarray:
+    """``(slices, 16)`` uint8: what slice ``h``'s key is XORed with (slice 0: nothing)."""
+    out = np.zeros((slices, KEY_BYTES), np.uint8)
+    for h in range(1, slices):
+        digest = hashlib.blake2b(b"kvtier vllm head slice" + h.to_bytes(2, "big"), digest_size=KEY_BYTES).digest()
+        out[h] = np.frombuffer(digest, np.uint8)
+    out.flags.writeable = False
+    return out
+
+
+def slice_keys(chunk_keys: Sequence[bytes], first: int, count: int, slices: int) -> list[bytes]:
+    """Keys of slices ``first..first+count-1`` of each chunk, chunk after chunk."""
+    if slices == 1:
+        return list(chunk_keys)
+    if not chunk_keys:
+        return []
+    joined = b"".join(chunk_keys)
+    if len(joined) != KEY_BYTES * len(chunk_keys):
+        raise ValueError(f"chunk keys must be {KEY_BYTES} bytes each")
+    raw = (np.frombuffer(joined, np.uint8).reshape(-1, 1, KEY_BYTES) ^ _masks(slices)[first:first + count]).tobytes()
+    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
 
 
 def slice_key(chunk_key: bytes, index: int, slices: int) -> bytes:
-    """kvtier key of slice ``index`` of a chunk (the chunk's own key when it is not sliced)."""
-    if slices == 1:
+    """kvtier key of slice ``index`` of a chunk (the chunk's own key for slice 0 or when not sliced)."""
+    if slices == 1 or index == 0:
         return chunk_key
-    return hashlib.blake2b(chunk_key + index.to_bytes(2, "big"), digest_size=16).digest()
+    return slice_keys([chunk_key], index, 1, slices)[0]
 
 
 @dataclass(frozen=True)
@@ -58,11 +98,17 @@ class KVSlices:
 
     def held_keys(self, chunk_key: bytes) -> list[bytes]:
         """Keys of the slices this rank holds, in its local order."""
-        return [slice_key(chunk_key, s, self.slices) for s in range(self.first, self.first + self.count)]
+        return slice_keys([chunk_key], self.first, self.count, self.slices)
 
     def all_keys(self, chunk_key: bytes) -> list[bytes]:
         """Keys of every slice: a chunk is a hit only when all are present."""
-        return [slice_key(chunk_key, s, self.slices) for s in range(self.slices)]
+        return slice_keys([chunk_key], 0, self.slices, self.slices)
+
+    def keys(self, chunk_keys: Sequence[bytes], held: bool = False) -> list[bytes]:
+        """``all_keys`` (or ``held_keys``) of many chunks, chunk after chunk, in one go."""
+        if held:
+            return slice_keys(chunk_keys, self.first, self.count, self.slices)
+        return slice_keys(chunk_keys, 0, self.slices, self.slices)
 
     def writes(self, chunk_key: bytes) -> bool:
         """Whether this rank stores the chunk (one writer among identical replicas)."""

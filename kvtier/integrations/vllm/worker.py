@@ -32,6 +32,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -141,13 +143,12 @@ class KVTierWorker(OffloadingWorker):
                 return []
         if sl.count == 1 and sl.slices == 1:
             return [(hashes, ids)]
-        keys = [sl.held_keys(h) for h in hashes]
+        flat = sl.keys(hashes, held=True)   # each chunk's held slices in turn
         if not t.skip:  # one transfer: each chunk's slices in turn, each slice its own kvtier block
-            return [([key for ks in keys for key in ks],
-                     [sl.engine_id(b, j) for i in range(len(keys)) for j in range(sl.count)
-                      for b in ids[i * k:(i + 1) * k]])]
+            rows = np.asarray(ids, np.int64).reshape(len(hashes), 1, k)
+            return [(flat, sl.engine_id(rows, np.arange(sl.count).reshape(1, -1, 1)).ravel().tolist())]
         # A load starting mid-chunk skips the same blocks of every slice: one transfer per slice.
-        return [([ks[j] for ks in keys], [sl.engine_id(b, j) for b in ids]) for j in range(sl.count)]
+        return [(flat[j::sl.count], [sl.engine_id(b, j) for b in ids]) for j in range(sl.count)]
 
     def get_finished(self) -> list[TransferResult]:
         out, self._done = self._done, []
