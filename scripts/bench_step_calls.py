@@ -232,8 +232,12 @@ def interleaved(cases: dict, rounds: int) -> dict:
 
 
 def layouts(rounds: int) -> dict:
-    with PrivateDaemon(pool_size="256MiB", slab_size="4MiB") as d:
-        lay = {"per-rank": Layout(d.socket, False), "shared": Layout(d.socket, True)}
+    # One daemon per layout, as one engine sees it: one block size evicting its own (two
+    # block sizes in one full pool would time slab reclaims between size classes).
+    with PrivateDaemon(pool_size="256MiB", slab_size="4MiB") as d1, \
+            PrivateDaemon(pool_size="256MiB", slab_size="4MiB") as d2:
+        lay = {"per-rank": Layout(d1.socket, False), "shared": Layout(d2.socket, True)}
+
         def quiet(x=None):  # untimed: no store copying in the daemon while a lookup is timed
             for y in lay.values():
                 y.settle()
