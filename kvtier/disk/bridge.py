@@ -16,6 +16,13 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
   cancel(...) -> bool  a Cancel names a load waiting on the disk: answered failed now
   poll()               the I/O wakeup fd is readable: finish what completed
 
+The loop thread makes no filesystem call: files are written, read, unlinked
+and scanned on the I/O threads. An entry leaves the disk index before its
+file is queued for unlinking (a crash in between leaves a file the next scan
+indexes or drops again). Making room drops at most ``FIT_BATCH`` entries per
+loop turn: a large excess (a start after a ``disk_size`` cut) is dropped in
+slices, the loop answering requests between them.
+
 A load whose reads are not done after ``timeout_s`` is answered without them
 (those blocks fail, the engine recomputes; RAM hits of the same load are
 served); its slots stay reserved until the reads returned. A disk that has
@@ -39,6 +46,7 @@ from .index import DiskEntry, DiskIndex
 from .io import DiskIO
 
 log = logging.getLogger("kvtier.disk")
+FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us each measured
 SEP = "\x1f"  # daemon.tenancy.SEP: a namespace key is "tenant SEP fingerprint"
 
 
@@ -72,6 +80,7 @@ class DiskBridge:
         self.scanning = True
         self.scan_started = time.monotonic()
         self.scan_s = 0.0
+        self.fit_pending = False        # a ("fit", None) is queued: more entries to drop next turn
         io.scan()
 
     @property
@@ -113,11 +122,12 @@ class DiskBridge:
         size = ns.block_bytes
         n = min(len(entries), max(0, self.queue_bytes - self.queued) // size)
         self.counters["queue_full"] += len(entries) - n
-        victims = self.dindex.reserve(n * (HEADER_BYTES + size)) if n else None
+        victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH) if n else None
         if victims is None:
             self.counters["write_skipped"] += n
             return
         self._unlink(victims)
+        self._fit_later()
         del entries[n:]
         self.index.pin(entries)
         self.queued += n * size
@@ -134,20 +144,30 @@ class DiskBridge:
         self.writing.difference_update((key, e.key) for e in entries)
         self.dindex.release(len(entries) * (HEADER_BYTES + size))
         stale = gen != self.generation[key]  # flushed while being written
-        dropped, unannounced = [], []
+        unannounced = []
         for i, crc, path in job.ok:
             _, k, seq, _ = job.items[i]
             entry = DiskEntry(key, k, seq, size, crc, path)
-            victims = [entry] if stale else self.dindex.add(entry)
-            if entry in victims:
-                victims.remove(entry)
-                unannounced.append(entry.path)
+            replaced = [entry] if stale else self.dindex.add(entry, limit=0)  # room: below, in one slice
+            if replaced:  # stale, or one of two copies of a block that stays on disk: no event
+                unannounced += [v.path for v in replaced]
             else:
                 self.index.record("disk_stored", key, k)
-            dropped += victims
         self.counters["write_failed"] += len(job.failed)
-        self._unlink(dropped)
         self.io.unlink(unannounced)
+        self._fit()
+
+    def _fit(self) -> None:
+        """Drop one slice of the oldest entries beyond ``disk_size``; the next slice next loop turn."""
+        self.fit_pending = False
+        self._unlink(self.dindex.shrink(FIT_BATCH))
+        self._fit_later()
+
+    def _fit_later(self) -> None:
+        # While scanning, found files are not fitted yet (the oldest may not have been found).
+        if self.dindex.over and not self.scanning and not self.fit_pending:
+            self.fit_pending = True
+            self.io.remind("fit")
 
     def _unlink(self, victims: list) -> None:
         for v in victims:
@@ -270,10 +290,12 @@ class DiskBridge:
         for what, job in self.io.completed():
             if what == "scan":
                 self._found(job)
+            elif what == "fit":
+                self._fit()
             elif what == "scanned":
                 self.scanning = False
                 self.scan_s = time.monotonic() - self.scan_started
-                self._unlink(self.dindex.shrink())
+                self._fit()
                 log.info("disk tier: %d blocks (%d bytes) found in %s in %.2fs", len(self.dindex),
                          self.dindex.used, self.io.root, self.scan_s)
             elif job.kind == "write":
@@ -286,12 +308,17 @@ class DiskBridge:
                 self._read(job)
 
     def _found(self, entries: list) -> None:
+        """A batch of the start-up scan: indexed (lookups count them now) and announced."""
         extra = []
         for entry in entries:
             if (entry.ns_key, entry.key) in self.writing:  # rewritten now: the new file wins
                 extra.append(entry)
                 continue
-            extra += self.dindex.add(entry, found=True)  # fitted to disk_size once all are found
+            replaced = self.dindex.add(entry, found=True)  # fitted to disk_size once all are found
+            if replaced:  # two files of one block: the older goes, the block stays (announced once)
+                extra += replaced
+            else:
+                self.index.record("disk_stored", entry.ns_key, entry.key)
         self.io.unlink([e.path for e in extra])
 
     # ---- status ---------------------------------------------------------------------------------
@@ -311,7 +338,8 @@ class DiskBridge:
                "capacity_bytes": self.dindex.capacity,
                "used_bytes": self.dindex.used, "reserved_bytes": self.dindex.reserved,
                "blocks": len(self.dindex), "dropped": self.dindex.dropped, "queued_bytes": self.queued,
-               "queue_bytes": self.queue_bytes, "scanning": self.scanning, "scan_s": round(self.scan_s, 3),
+               "queue_bytes": self.queue_bytes, "scanning": self.scanning, "fitting": self.fit_pending,
+               "scan_s": round(self.scan_s, 3),
                "loads_waiting": len(self.by_request), "reads_in_flight": len(self.loads), "namespaces": rows,
                **{k: io.get(k, 0) for k in keys}, **{k: self.counters[k] for k in (
                    "queue_full", "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",
@@ -322,7 +350,8 @@ class DiskBridge:
         return out
 
     def check_integrity(self) -> None:
-        self.dindex.check_integrity(fitted=not self.scanning)  # files found are fitted once all are found
+        # Files found are fitted once all are found, a large excess over a few loop turns.
+        self.dindex.check_integrity(fitted=not (self.scanning or self.fit_pending))
 
     def close(self) -> None:
         self.io.close()

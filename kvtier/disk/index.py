@@ -5,7 +5,10 @@ its file is complete (renamed into place) and removed before its file is
 unlinked. Space is reserved when a write is queued, so ``used + reserved``
 never exceeds ``capacity``: making room drops the oldest entries (by write
 order, refreshed when a block is loaded back) and returns them for the
-caller to unlink.
+caller to unlink. The verbs that make room take a ``limit``: the caller (the
+loop thread) drops a large excess (a start after a ``disk_size`` cut) in
+slices between requests, so ``used + reserved`` may exceed ``capacity`` for
+a few loop turns while ``over`` is true.
 
 Age order is a heap with lazy deletion, not a list kept sorted: files found
 by the start-up scan arrive in directory order, and a million of them must
@@ -18,11 +21,12 @@ stale items than live ones.
 Primitives:
   DiskIndex(capacity)
   entries_of(ns_key) -> {key: DiskEntry} | None    what a lookup or load reads
-  reserve(nbytes) -> [victims] | None      room for a write (None: it can never fit)
+  reserve(nbytes, limit) -> [victims] | None  room for a write (None: it can never fit)
   release(nbytes)                          a reserved write ended (added or failed)
   add(entry, found=False) -> [victims]     a complete file (found: by the scan, not fitted yet);
                                            an older copy of its key is a victim
-  shrink() -> [victims]                    fit within capacity (after the scan)
+  shrink(limit=None) -> [victims]          fit within capacity, at most ``limit`` victims per call
+  over -> bool                             more to drop before ``used + reserved`` fits
   remove(entry) -> bool, touch(entry)
   drop(ns_keys=None) -> [victims]          flush: every entry of those namespaces (None: all)
   by_namespace() -> {ns_key: (blocks, bytes)}, check_integrity(fitted=True)
@@ -69,19 +73,24 @@ class DiskIndex:
         return self.count
 
     # ---- space -----------------------------------------------------------------------
-    def reserve(self, nbytes: int) -> list[DiskEntry] | None:
+    @property
+    def over(self) -> bool:
+        return self.used + self.reserved > self.capacity and self.count > 0
+
+    def reserve(self, nbytes: int, limit: int | None = None) -> list[DiskEntry] | None:
         if nbytes > self.capacity - self.reserved:
             return None
         self.reserved += nbytes
-        return self.shrink()
+        return self.shrink(limit)
 
     def release(self, nbytes: int) -> None:
         self.reserved -= nbytes
 
-    def shrink(self) -> list[DiskEntry]:
-        """Victims, oldest first, that bring ``used + reserved`` within capacity."""
+    def shrink(self, limit: int | None = None) -> list[DiskEntry]:
+        """Victims, oldest first, that bring ``used + reserved`` within capacity
+        (at most ``limit`` of them: ``over`` says whether more must go)."""
         victims = []
-        while self.used + self.reserved > self.capacity and self.count:
+        while self.used + self.reserved > self.capacity and self.count and (limit is None or len(victims) < limit):
             age, _, entry = heapq.heappop(self._heap)
             if entry.age == age and self.remove(entry):
                 victims.append(entry)
@@ -89,7 +98,7 @@ class DiskIndex:
         return victims
 
     # ---- entries ----------------------------------------------------------------------
-    def add(self, entry: DiskEntry, found: bool = False) -> list[DiskEntry]:
+    def add(self, entry: DiskEntry, found: bool = False, limit: int | None = None) -> list[DiskEntry]:
         """Index a complete file. Of two copies of one block the newer stays; the
         other is returned for unlinking (a write racing the start-up scan).
         ``found``: by the start-up scan, aged by its seq and not fitted yet (``shrink``)."""
@@ -106,7 +115,7 @@ class DiskIndex:
             self._push(entry, entry.seq)
             return [old] if old is not None else []
         self._push(entry, max(self._newest + 1, entry.seq))
-        return ([old] if old is not None else []) + self.shrink()
+        return ([old] if old is not None else []) + self.shrink(limit)
 
     def remove(self, entry: DiskEntry) -> bool:
         entries = self.namespaces.get(entry.ns_key)

@@ -18,7 +18,7 @@ no fsync and no ``O_DIRECT``.
 
 Primitives: ``DiskIO(root, pool, threads)``, ``.write(items, size, token)``,
 ``.read(items, size, token, deadline)``, ``.unlink(paths)``, ``.scan()``,
-``.completed() -> [(what, job)]``, ``.stalled(timeout)``, ``.wakeup_fd``,
+``.remind(what)``, ``.completed() -> [(what, job)]``, ``.stalled(timeout)``, ``.wakeup_fd``,
 ``.counters``, ``.close()``.
 """
 
@@ -122,6 +122,10 @@ class DiskIO:
         """Rebuild from the files (its own thread): batches of entries come back as ("scan", [..]),
         then ("scanned", None)."""
         threading.Thread(target=self._scan, name="kvtier-disk-scan", daemon=True).start()
+
+    def remind(self, what: str) -> None:
+        """Have ``completed()`` hand back ``(what, None)`` on the loop's next turn."""
+        self._done.put((what, None))
 
     def completed(self) -> list:
         return self._done.take_all()

@@ -89,3 +89,17 @@ def test_files_found_in_any_order_are_dropped_oldest_first(seqs):
     idx.check_integrity(fitted=False)
     assert [v.seq for v in idx.shrink()] == list(range(7))
     idx.check_integrity()
+
+
+def test_a_large_excess_is_dropped_in_slices_oldest_first_and_never_more_than_asked():
+    """The loop drops at most ``limit`` entries per turn; ``over`` says another slice is due."""
+    idx = DiskIndex(capacity=5 * (HEADER_BYTES + 100))
+    for s in range(12):
+        idx.add(entry("a", s, seq=s), found=True)
+    slices = []
+    while idx.over:
+        slices.append([v.seq for v in idx.shrink(3)])
+    assert slices == [[0, 1, 2], [3, 4, 5], [6]]
+    idx.check_integrity()
+    assert idx.reserve(HEADER_BYTES + 100, limit=0) == [] and idx.over  # room made by a later slice
+    assert [v.seq for v in idx.shrink(3)] == [7] and not idx.over
