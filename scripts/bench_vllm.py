@@ -180,11 +180,17 @@ def interleave(step: int, cases: list[tuple[str, callable]]) -> dict[str, float]
     return {name: fn() for name, fn in cases[k:] + cases[:k]}
 
 
+def miss_names(eng: dict) -> tuple:
+    """The engines timed side by side on new prompts (``control``: vLLM alone in a second
+    process, how far two identical engines drift apart: the resolution of every ratio)."""
+    return ("alone", "tier", "nodaemon") + (("control",) if "control" in eng else ())
+
+
 def one_block(args, eng: dict, prompts: Prompts, stored: list, times: dict, run: int) -> None:
     """One run: the miss / no-daemon rows, then the hit row."""
     for i in range(args.prompts):
         p = prompts.new()
-        got = interleave(i + run, [(n, lambda e=eng[n]: e.ttft(p)) for n in ("alone", "tier", "nodaemon")])
+        got = interleave(i + run, [(n, lambda e=eng[n]: e.ttft(p)) for n in miss_names(eng)])
         stored.append(p)
         for n, s in got.items():
             times.setdefault(f"{n}/miss-row", []).append(s)
@@ -247,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tp-prompts", type=int, default=8)
     ap.add_argument("--tp-tokens", type=int, default=1024)
     ap.add_argument("--tp-out", type=int, default=32)
+    ap.add_argument("--control", action="store_true",
+                    help="a second vLLM-alone engine timed like the others (rows 'control'): the noise floor")
+    ap.add_argument("--tp-layout", default="", help="kvtier_tp_layout of the kvtier engines (shared, per-rank)")
     ap.add_argument("--no-killed", action="store_true", help="skip the daemon-killed rows")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--profile", metavar="DIR", default="",
@@ -266,8 +275,11 @@ def main(argv=None) -> int:
         model = ex.make_tiny_llama(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden)
         socket = args.socket = os.path.join(tmp, "kvtier.sock")
         daemon = start_daemon(socket, "2GiB", env=ex.engine_env())
-        specs = {"alone": [], "tier": ["--kvtier", "--socket", socket],
+        layout = ["--tp-layout", args.tp_layout] if args.tp_layout else []
+        specs = {"alone": [], "tier": ["--kvtier", "--socket", socket, *layout],
                  "nodaemon": ["--kvtier", "--socket", os.path.join(tmp, "absent.sock")]}
+        if args.control:
+            specs["control"] = []
         if "engine" in neighbours:
             specs["neighbour"] = []
         eng = {n: Engine(n, model, args, extra, tmp) for n, extra in specs.items()}
@@ -287,7 +299,7 @@ def measure(args, eng: dict, daemon, neighbours: list[str], prompt_len: int) -> 
     t_start = time.time()
     for e in eng.values():
         e.wait_ready()
-    timed = ("alone", "tier", "nodaemon")
+    timed = miss_names(eng)
     diff = settings_diff([eng[n] for n in timed])
     print(f"engines up in {time.time() - t_start:.0f} s; VLLM_CPU_OMP_THREADS_BIND={args.omp_bind} on every engine",
           flush=True)
@@ -295,7 +307,7 @@ def measure(args, eng: dict, daemon, neighbours: list[str], prompt_len: int) -> 
         print(f"  {n:9s} compute threads {compute_threads(eng[n])}", flush=True)
     common = {k: v for k, v in eng["alone"].ready["settings"].items() if k not in SETTINGS_NOT_COMPARED}
     print(f"  resolved settings (alone; the others equal but for the diff below): {json.dumps(common)}")
-    print("  resolved settings that differ (alone / tier / nodaemon):" + ("" if diff else " none"))
+    print(f"  resolved settings that differ ({' / '.join(timed)}):" + ("" if diff else " none"))
     for k, vals in diff:
         print(f"    {k}: " + " / ".join(json.dumps(v) for v in vals))
     prompts = Prompts(prompt_len, seed=1)
@@ -369,10 +381,16 @@ def report(args, eng, blocks, tp_blocks, loads, killed, tp_kill, diff, prompt_le
                          ratios(per_run, "tier/miss-row", "alone/miss-row")),
                 stat_row("no daemon", times["alone/miss-row"], times["nodaemon/miss-row"],
                          ratios(per_run, "nodaemon/miss-row", "alone/miss-row")),
+                *([stat_row("control: vLLM alone, second process", times["alone/miss-row"],
+                            times["control/miss-row"], ratios(per_run, "control/miss-row", "alone/miss-row"))]
+                  if "control" in eng else []),
                 stat_row("hit (loaded from kvtier)", times["alone/hit-row"], times["tier/hit-row"],
                          ratios(per_run, "tier/hit-row", "alone/hit-row"))]
         tp = tp_blocks[nb]
-        for n, label in (("tier", "throughput, miss"), ("nodaemon", "throughput, no daemon")):
+        for n, label in (("tier", "throughput, miss"), ("nodaemon", "throughput, no daemon"),
+                         ("control", "throughput, control")):
+            if n not in tp:
+                continue
             rows.append([label, "", "", "", "", round(median(tp[n]) / median(tp["alone"]), 3), "",
                          " ".join(f"{a / b:.2f}" for a, b in zip(tp[n], tp["alone"]))])
         title = (f"neighbour: {nb} (load average {loads[nb][0]:.1f} -> {loads[nb][1]:.1f}); {args.runs} runs x "
