@@ -9,7 +9,7 @@ in turn, the order rotating; tokens/s per engine, ratio = median of per-round
 ratios to ``alone``:
 
 * ``alone``    - vLLM, no connector (the baseline);
-* ``control``  - vLLM alone, a second process (the noise floor; ``control2``, ...: more of them);
+* ``control``  - vLLM alone, a second process (the noise floor; ``control2``, ``adopted2``, ...: more of a kind);
 * ``adopted``  - vLLM alone with its KV cache moved into a sealed memfd as
   kvtier's worker does (no connector): kvtier's memory placement only;
 * ``nodaemon`` - vLLM with kvtier's connector and no daemon at its socket.
@@ -76,13 +76,14 @@ def main(argv=None) -> int:
         model = ex.make_tiny_llama(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden)
         extra = {"alone": [], "control": [], "adopted": [],
                  "nodaemon": ["--kvtier", "--socket", os.path.join(tmp, "absent.sock")]}
-        eng = {n: Engine(n, model, args, extra.get(n, []) if not n.startswith("control") else [], tmp)
-               for n in names}
+        kind = {n: n.rstrip("0123456789") for n in names}  # control2, adopted2, ...: more of a kind
+        eng = {n: Engine(n, model, args, extra.get(kind[n], []), tmp) for n in names}
         try:
             for e in eng.values():
                 e.wait_ready()
-            if "adopted" in eng:
-                print("adopted:", eng["adopted"].call("adopt_kv"), flush=True)
+            for n in names:
+                if kind[n] == "adopted":
+                    print(f"{n}:", eng[n].call("adopt_kv"), flush=True)
             prompts = Prompts(1024, seed=1)
             for n, e in eng.items():
                 e.call("touch_kv")
