@@ -159,6 +159,11 @@ def direct_read(path: str, size: int, streams: int = 1) -> float:
         os.close(fd)
     ts = [threading.Thread(target=read, args=(i * part, size if i == streams - 1 else (i + 1) * part))
           for i in range(streams)]
+    return timed_threads(ts)
+
+
+def timed_threads(ts: list[threading.Thread]) -> float:
+    """Seconds from starting these threads to the last one finishing."""
     t0 = time.perf_counter()
     for t in ts:
         t.start()
@@ -206,12 +211,7 @@ def read_files(files: list[str], threads: int, how: str, pool: mmap.mmap) -> flo
             os.close(fd)
             dest.release()
     ts = [threading.Thread(target=work) for _ in range(threads)]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
+    return timed_threads(ts)
 
 
 def write_files(root: str, n: int, fsync: bool) -> float:

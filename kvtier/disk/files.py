@@ -38,17 +38,22 @@ def check_file(st: os.stat_result, uid: int, size: int | None = None) -> str:
 
 
 
+def _advance(views: list, n: int) -> None:
+    """Drop the first ``n`` bytes from a list of buffers (a short pwritev/preadv)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if views and n:
+        views[0] = memoryview(views[0])[n:]
+
+
 def write_all(fd: int, bufs: list) -> None:
     views = [memoryview(b) for b in bufs]
     offset = 0
     while views:
         n = os.pwritev(fd, views, offset)
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
 
 
 def read_all(fd: int, bufs: list, offset: int) -> int:
@@ -59,11 +64,7 @@ def read_all(fd: int, bufs: list, offset: int) -> int:
         if n == 0:
             break
         got += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return got
 
 
