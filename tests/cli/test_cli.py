@@ -52,7 +52,10 @@ def test_status_text_and_flush(daemon, capsys):
     assert main(["flush", "--namespace", OTHER, "--socket", daemon.socket, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"removed": 3}
     s = status_json(daemon.socket, capsys)
-    assert {n["fingerprint"]: n["blocks"] for n in s["namespaces"]} == {NS.fingerprint(): 5, OTHER: 0}
+    # OTHER is empty now; with no registration left the daemon may also forget it
+    # on its next reaping pass, so it is either listed with 0 blocks or gone.
+    held = {n["fingerprint"]: n["blocks"] for n in s["namespaces"]}
+    assert held.pop(NS.fingerprint()) == 5 and held in ({}, {OTHER: 0})
     assert main(["flush", "--socket", daemon.socket]) == 0
     assert "removed 5 blocks" in capsys.readouterr().out
     assert main(["flush", "--namespace", "nope", "--socket", daemon.socket]) == 1
