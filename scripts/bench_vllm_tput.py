@@ -14,8 +14,8 @@ ratios to ``alone``:
   kvtier's worker does (no connector): kvtier's memory placement only;
 * ``nodaemon`` - vLLM with kvtier's connector and no daemon at its socket;
 * ``tier``     - vLLM with kvtier's connector, daemon up (every lookup misses, every block
-  is stored): the daemon's CPU seconds over the rounds are printed next to the rounds' wall
-  time, what its stores took from the engines' cores.
+  is stored; each tier engine has a daemon of its own): the daemons' CPU seconds over the
+  rounds are printed next to the rounds' wall time, what their stores took from the cores.
 
 Each engine's resolved KV mapping (anonymous or memfd, huge pages) is printed.
 """
@@ -77,12 +77,15 @@ def main(argv=None) -> int:
     names = args.engines.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         model = ex.make_tiny_llama(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden)
-        socket = os.path.join(tmp, "kvtier.sock")
-        extra = {"alone": [], "control": [], "adopted": [], "tier": ["--kvtier", "--socket", socket],
-                 "nodaemon": ["--kvtier", "--socket", os.path.join(tmp, "absent.sock")]}
         kind = {n: n.rstrip("0123456789") for n in names}  # control2, adopted2, ...: more of a kind
-        daemon = start_daemon(socket, "2GiB", env=ex.engine_env()) if "tier" in kind.values() else None
-        eng = {n: Engine(n, model, args, extra.get(kind[n], []), tmp) for n in names}
+        # Every tier engine gets a daemon of its own: the batch each round is the same
+        # for every engine, so a second engine on one daemon would hit the first's stores.
+        daemons = {n: start_daemon(os.path.join(tmp, f"{n}.sock"), "1GiB", env=ex.engine_env())
+                   for n in names if kind[n] == "tier"}
+        extra = {"alone": [], "control": [], "adopted": [],
+                 "nodaemon": ["--kvtier", "--socket", os.path.join(tmp, "absent.sock")]}
+        extra.update({n: ["--kvtier", "--socket", os.path.join(tmp, f"{n}.sock")] for n in daemons})
+        eng = {n: Engine(n, model, args, extra.get(n, extra.get(kind[n], [])), tmp) for n in names}
         try:
             for e in eng.values():
                 e.wait_ready()
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
             cpu0 = {n: e.call("threads") for n, e in eng.items()}
             tps: dict[str, list[float]] = {n: [] for n in names}
             load0 = os.getloadavg()[0]
-            d_cpu0, wall = daemon_cpu(daemon), 0.0
+            d_cpu0, wall = daemon_cpu(daemons), 0.0
             for r in range(args.rounds):
                 batch = [prompts.new(args.tp_tokens) for _ in range(args.tp_prompts)]
                 got = interleave(r, [(n, lambda e=eng[n]: e.call("generate", prompts=batch,
@@ -115,10 +118,10 @@ def main(argv=None) -> int:
                 p.wait(60)
             for n, e in eng.items():
                 print(f"  {n:9s} engine-core threads' CPU s over the rounds: {cpu_delta(cpu0[n], e.call('threads'))}")
-            if daemon is not None:
-                d = daemon_cpu(daemon) - d_cpu0
-                print(f"  daemon CPU s over the rounds: {d:.2f} (all engines' batches), the tier engines' "
-                      f"batches took {wall:.2f} s wall x 2 cores: {100 * d / (2 * wall):.1f}% of their core time")
+            if daemons:
+                d = daemon_cpu(daemons) - d_cpu0
+                print(f"  daemons' CPU s over the rounds: {d:.2f}; their tier engines' batches took "
+                      f"{wall:.2f} s wall x 2 cores: the daemons used {100 * d / (2 * wall):.1f}% of that core time")
             print(f"load average {load0:.1f} -> {os.getloadavg()[0]:.1f}; {args.rounds} rounds of "
                   f"{args.tp_prompts} x {args.tp_tokens} x {args.tp_out}")
             for n in names:
@@ -129,9 +132,9 @@ def main(argv=None) -> int:
         finally:
             for e in eng.values():
                 e.close()
-            if daemon is not None:
-                daemon.terminate()
-                daemon.wait(30)
+            for d in daemons.values():
+                d.terminate()
+                d.wait(30)
     return 0
 
 
@@ -152,13 +155,10 @@ def by_kind(names: list[str], kind: dict, tps: dict) -> None:
               + " ".join(f"{x:.3f}" for x in per), flush=True)
 
 
-def daemon_cpu(daemon) -> float:
-    """User + system CPU seconds of the daemon process so far (0 without one)."""
-    if daemon is None:
-        return 0.0
+def daemon_cpu(daemons: dict) -> float:
+    """User + system CPU seconds of the daemon processes so far."""
     import psutil
-    t = psutil.Process(daemon.pid).cpu_times()
-    return t.user + t.system
+    return sum(t.user + t.system for t in (psutil.Process(d.pid).cpu_times() for d in daemons.values()))
 
 
 if __name__ == "__main__":

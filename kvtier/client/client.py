@@ -12,7 +12,13 @@ them or its process is gone (see ``handles.py``).
 
 Primitives: ``register_kv_cache``, ``lookup``, ``lookup_many``, ``store``/``load`` (handles),
 ``offload``/``restore`` (handles), ``discard``, ``stats``, ``flush``, ``ping``,
-``close``, ``connected``, ``registration``.
+``close``, ``connected``, ``registration``, ``share``.
+
+One connection, several caches: ``share()`` gives another ``Client`` over the
+same connection (session, heartbeat, reconnects) with a registration of its
+own - a hybrid model's KV cache groups, one per namespace, cost one connection
+and one keeper thread per process, not one per group. The connection closes
+with the last ``Client`` sharing it.
 """
 
 from __future__ import annotations
@@ -56,14 +62,8 @@ class Client:
         self.session = Session()
         self.channel = Channel(self.socket_path, self.session, timeout, self._forgotten,
                                lambda: self._lose_session("the daemon hung up"))
-        self._register_args: tuple | None = None
-        self._reg: m.Registered | None = None
-        self._mirror = None  # ShmIndexReader of the namespace's ready hashes, when offered
-        self.kv: "ShmKVCache | CudaKVCache | None" = None
-        self.block_factor = 1
-        self._fences = None  # CUDA: EventRing of the events recorded on the caller's stream
-        self._events = None  # CUDA: daemon events opened from their IPC handles (EventCache)
-        self._closed = False
+        self._views: list[Client] = [self]  # every Client on this connection (``share``)
+        self._init_registration()
         try:
             self._open_session(self.timeout if require_daemon else min(self.timeout, 1.0))
         except DaemonUnavailable:
@@ -74,6 +74,33 @@ class Client:
         if heartbeat:
             self.keeper = Keeper(self.channel, self.session, self._open_session, self._lose_session, self.timeout)
             self.keeper.start()
+
+    def _init_registration(self) -> None:
+        """What is this Client's own, not the connection's."""
+        self._register_args: tuple | None = None
+        self._reg: m.Registered | None = None
+        self._mirror = None  # ShmIndexReader of the namespace's ready hashes, when offered
+        self.kv: "ShmKVCache | CudaKVCache | None" = None
+        self.block_factor = 1
+        self._fences = None  # CUDA: EventRing of the events recorded on the caller's stream
+        self._events = None  # CUDA: daemon events opened from their IPC handles (EventCache)
+        self._sent: set[int] = set()  # transfers this Client sent (a shared one's close cancels only these)
+        self._closed = self._closing = False
+
+    def share(self) -> "Client":
+        """Another Client over this connection, for another KV cache: its own
+        ``register_kv_cache`` (replayed with this one's after a reconnect),
+        lookups and transfers; the same session, heartbeat and degraded mode.
+        Closing one gives its registration back; the last one closes the
+        connection. Raises KVTierError once the connection is closed."""
+        with self.channel.cv:
+            if not any(not v._closed for v in self._views):
+                raise KVTierError(ErrorCode.UNKNOWN_NAMESPACE, "this client's connection is closed", "client")
+            view = object.__new__(Client)
+            view.__dict__.update({k: getattr(self, k) for k in _CONNECTION})
+            view._init_registration()
+            self._views.append(view)
+        return view
 
     # ---- session --------------------------------------------------------------------
     @property
@@ -108,9 +135,10 @@ class Client:
                 welcome = self.channel.call(m.Hello(m.PROTOCOL_VERSION, pid, self.name, self.token), timeout=wait)
                 with self.channel.cv:
                     self.session.welcome(welcome, self.socket_path)
-                if self._register_args is not None:
-                    self._reg = self.channel.call(self._register_msg(self._register_args, wait), timeout=wait)
-                    self._open_mirror(self._reg.index)
+                for view in list(self._views):  # replay every cache on this connection
+                    if view._register_args is not None and not view._closed:
+                        view._reg = self.channel.call(view._register_msg(view._register_args, wait), timeout=wait)
+                        view._open_mirror(view._reg.index)
             except KVTierError:
                 # Frames queued on this socket must not reach a daemon that starts later.
                 self.channel.close_socket()
@@ -158,9 +186,15 @@ class Client:
         later ``close`` continues. True once closed."""
         if self._closed:
             return True
+        with self.channel.cv:  # decided under the lock: two closing at once leave one last
+            shared = any(v is not self and not (v._closed or v._closing) for v in self._views)
+            self._closing = True
+        if shared:
+            return self._close_view(timeout)
         if not self._confirm_transfers(timeout):
             log.error("kvtier: close: the daemon has not confirmed every cancelled transfer; "
                       "their blocks stay held and the client stays open")
+            self._closing = False
             return False
         self._closed = True
         if self.keeper is not None:
@@ -182,10 +216,32 @@ class Client:
         self._open_mirror("")
         return True
 
-    def _confirm_transfers(self, limit: float | None) -> bool:
-        """Cancel every transfer in flight; True once each is answered or the daemon is gone."""
+    def _close_view(self, timeout: float | None) -> bool:
+        """Close one of several Clients on a connection: its transfers first (as
+        ``close``), then its registration; the connection stays for the others."""
+        if not self._confirm_transfers(timeout, only=self._sent):
+            log.error("kvtier: close: the daemon has not confirmed every cancelled transfer; "
+                      "their blocks stay held and the cache stays registered")
+            self._closing = False
+            return False
         with self.channel.cv:
-            pending = sorted(self.session.transfers_waiting())
+            self._closed = True
+            self._views.remove(self)
+        if self._reg is not None and self.session.healthy:
+            try:  # the daemon unmaps the cache once no copy uses it
+                self.channel.call(m.Unregister(self._reg.reg), timeout=min(self.timeout, 1.0))
+            except KVTierError:
+                pass  # a lost session: the daemon forgot the registration anyway
+        self._reg = None
+        self._open_mirror("")
+        return True
+
+    def _confirm_transfers(self, limit: float | None, only: set[int] | None = None) -> bool:
+        """Cancel every transfer in flight (``only``: those of these ids); True
+        once each is answered or the daemon is gone."""
+        with self.channel.cv:
+            pending = sorted(self.session.transfers_waiting() & only if only is not None
+                             else self.session.transfers_waiting())
         for rid in pending:
             self.channel.cancel(rid)
         deadline = None if limit is None else time.monotonic() + limit
@@ -360,6 +416,11 @@ class Client:
         except DaemonUnavailable as exc:  # never sent: nothing can touch the blocks
             self._lose_session(str(exc))
             return TransferHandle(self.channel, 0, count, deadline, failed_all(count, str(exc), names), names)
+        # Which transfers a close of this Client cancels when others share the connection.
+        if len(self._sent) >= 4096:
+            with self.channel.cv:
+                self._sent &= self.session.transfers_waiting()
+        self._sent.add(req_id)
         return TransferHandle(self.channel, req_id, count, deadline, None, names, tuple(block_ids),
                               self.open_event)
 
@@ -381,6 +442,11 @@ class Client:
             from ..transfer.events import EventCache
             self._events = EventCache(64)  # the daemon hands out up to 32 per registration
         return self._events.open(handle, device)
+
+
+# What Clients sharing one connection (``Client.share``) have in common.
+_CONNECTION = ("socket_path", "name", "timeout", "transfer_timeout", "token", "session", "channel",
+               "keeper", "_views")
 
 
 def _check_len(got: int, want: int) -> None:

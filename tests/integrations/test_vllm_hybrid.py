@@ -18,8 +18,10 @@ second one (another prefix) loads.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
@@ -106,6 +108,7 @@ def runs(tmp_path_factory):
         out["faults"] = faults.read_text().split("\n")[:-1]
         out["log_b"] = log
         out["status"] = daemon.stats()
+        out["daemon_log"] = daemon.read_log()
         yield out
     finally:
         daemon.stop()
@@ -149,6 +152,18 @@ def test_each_group_has_its_namespace_and_a_window_group_holds_only_its_window(r
     assert sorted(spaces) == sorted(windows + fulls), sorted(runs["status"]["namespaces"], key=str)
     assert all(spaces[g]["blocks"] >= 2 * (PREFIX_TOKENS // 32) for g in fulls)
     assert all(0 < spaces[g]["blocks"] <= 2 * (WINDOW // 32 + 1) for g in windows), spaces
+
+
+def test_each_engine_process_talks_to_the_daemon_over_one_connection_for_all_its_groups(runs):
+    """A 4-group model's scheduler and worker each register every group on one
+    connection (``Client.share``), not one connection per group: a node's
+    engines stay far below ``max_connections_per_user``."""
+    log = runs["daemon_log"]
+    per_role = Counter(re.findall(r"client \d+ connected: pid=(\d+) .* name='(vllm-(?:scheduler|worker\d+)-[^']*)'", log))
+    assert len(per_role) == 2 * 2 * len(GROUPS), per_role  # scheduler + worker, 2 kvtier engines per model
+    assert set(per_role.values()) == {1}, per_role
+    # ... and every group was registered on it: both roles, both engines of each model.
+    assert log.count("registered cache") >= 2 * 2 * sum(len(w) + len(f) for w, f in GROUPS.values())
 
 
 def test_a_load_that_fails_in_one_window_group_is_recomputed_with_identical_tokens(runs):

@@ -80,9 +80,9 @@ MAX_CHUNKS_PER_LOOKUP = 4096
 class _GroupLookup:
     """One group's scheduler-side registration: lookups in its namespace."""
 
-    def __init__(self, group: TierGroup, blocks_per_chunk: int, socket: str | None, name: str):
+    def __init__(self, group: TierGroup, blocks_per_chunk: int, client: Client):
         self.group = group
-        self.client = Client(socket, name=name, require_daemon=False)
+        self.client = client
         # A lookup needs a registration in the namespace. The scheduler has no KV
         # cache, so it registers a one-block stand-in with the workers' block size
         # (one slice of an engine block when the layout is sliced).
@@ -128,9 +128,11 @@ class KVTierManager(OffloadingManager):
     def __init__(self, groups: list[TierGroup], blocks_per_chunk: int, socket: str | None, name: str,
                  events: TierEvents | None = None):
         self.events = events or TierEvents(enabled=False)
-        self.groups = {g.group_idx: _GroupLookup(g, blocks_per_chunk, socket,
-                                                 name if len(groups) == 1 else f"{name[:60]}-g{g.group_idx}")
-                       for g in groups}
+        # One connection for every group: each group's lookups use a registration
+        # of their own in the group's namespace (``Client.share``).
+        first = Client(socket, name=name, require_daemon=False)
+        clients = [first] + [first.share() for _ in groups[1:]]
+        self.groups = {g.group_idx: _GroupLookup(g, blocks_per_chunk, c) for g, c in zip(groups, clients)}
         self._position = {g.group_idx: i for i, g in enumerate(groups)}
         self._answers: dict[OffloadKey, bool] = {}   # this step's lookups
         self._expected: dict[int, tuple[str, list[OffloadKey], set[OffloadKey]]] = {}  # group -> a request's keys

@@ -80,10 +80,11 @@ class KVTierWorker(OffloadingWorker):
                                   for refs, sl in zip(groups, self.slices)]
         self.k = blocks_per_chunk
         caches = export_groups(views)
-        self.engines = [EngineKV(v, [0] * len(v), Client(socket, name=name if len(views) == 1 else f"{name[:60]}-g{g}",
-                                                         require_daemon=False),
-                                 ns, block_factor=blocks_per_chunk, kv=kv)
-                        for g, (v, ns, kv) in enumerate(zip(views, namespaces, caches))]
+        # One connection for every group, a registration per group (``Client.share``).
+        first = Client(socket, name=name, require_daemon=False)
+        clients = [first] + [first.share() for _ in views[1:]]
+        self.engines = [EngineKV(v, [0] * len(v), c, ns, block_factor=blocks_per_chunk, kv=kv)
+                        for v, ns, kv, c in zip(views, namespaces, caches, clients)]
         self._jobs: dict[int, _Job] = {}
         self._done: list[TransferResult] = []   # jobs with nothing to move, or refused
 
