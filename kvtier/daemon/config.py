@@ -83,6 +83,7 @@ class DaemonConfig:
     max_connections_per_user: int = 64
     hello_deadline_s: float = 10.0  # a connection that has not said HELLO by then is closed
     max_namespaces_per_user: int = 64  # per tenant; empty, unregistered namespaces are forgotten
+    tenant_share: float = 1.0       # most of the pool one tenant's blocks may hold; 1.0 = no limit
     max_copy_pieces: int = 1 << 20  # separate copies one transfer may cost (~2 us each): blocks x tensors
     max_transfers_per_user: int = 1024  # transfers in flight from one Unix user (all its connections)
     max_pieces_in_flight_per_user: int = 1 << 18  # copy pieces those transfers hold (~200 B of daemon memory each)
@@ -146,6 +147,8 @@ class DaemonConfig:
             parse_tenants(self.tenants)
         except ValueError as exc:
             bad("tenants", str(exc))
+        if not isinstance(self.tenant_share, (int, float)) or not 0 < self.tenant_share <= 1:
+            bad("tenant_share", "must be in (0, 1] (1 = no per-tenant limit)")
         if self.admin_group and admin_gid(self.admin_group) is None:
             bad("admin_group", f"no group {self.admin_group!r}")
         for key, lo, hi in (("max_connections", 1, 1 << 20), ("max_connections_per_user", 1, 1 << 20),

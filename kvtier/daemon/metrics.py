@@ -106,6 +106,7 @@ class SnapshotCollector:
         yield from self._latency(s.get("latency", {}))
         yield from self._remote(s.get("remote", {}))  # remote tier hook
         yield from self._disk(s.get("disk", {}))  # disk tier hook
+        yield from self._tenants(s.get("tenants", {}))
 
     @staticmethod
     def _pool(s):
@@ -178,6 +179,26 @@ class SnapshotCollector:
         for key, name, doc in REMOTE_COUNTERS:
             yield CounterMetricFamily("kvtier_" + name, doc, value=r[key])
 
+
+    @staticmethod
+    def _tenants(t):
+        if not t:
+            return
+        yield GaugeMetricFamily("kvtier_tenant_share", "tenant_share: most of the pool one tenant may hold "
+                                "(1 = no limit).", value=t["share"])
+        size = GaugeMetricFamily("kvtier_tenant_bytes", "Pool bytes per tenant (stored and being stored).",
+                                 labels=["tenant"])
+        full = CounterMetricFamily("kvtier_tenant_at_share", "Stores that found their tenant at its share.",
+                                   labels=["tenant"])
+        own = CounterMetricFamily("kvtier_tenant_own_evictions", "Blocks a tenant at its share evicted of "
+                                  "its own.", labels=["tenant"])
+        for name, row in sorted(t["tenants"].items()):
+            size.add_metric([name], row["bytes"])
+            full.add_metric([name], row["at_share"])
+            own.add_metric([name], row["own_evictions"])
+        yield size
+        yield full
+        yield own
 
     @staticmethod
     def _disk(d):

@@ -102,7 +102,8 @@ class Daemon:
             raise StartupError(str(exc)) from None
         self.pool_name = self.segment.name
         self.pool = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
-        self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size), POLICIES[config.policy]())
+        self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size), POLICIES[config.policy](),
+                                config.tenant_share)
         self.index.record_events = bool(config.events)
         self.event_seq = 0  # last block-event message number published
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))

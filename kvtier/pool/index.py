@@ -19,6 +19,7 @@ Primitives (scheduler-style, no I/O):
   alloc(cls) / free(offset)                used by the swap table too
   adopt(ns, [(key, offset)]) -> [Entry | None]  warm restart: READY entries at kept offsets
   flush(ns=None) -> int, check_integrity()
+  tenants: TenantShares                    bytes per tenant; with share < 1 a store at it evicts its own
   take_events() -> [(kind, namespace, hash)]  "stored" / "removed" (+ "disk_*", record()), if enabled
 """
 
@@ -26,10 +27,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import takewhile
 
 from .allocator import IntegrityError, SlabAllocator
 from .policy import EvictionPolicy, LRUPolicy
+from .prefix import ready_prefix
+from .shares import TenantShares, owner_of
 
 WRITING, READY = "writing", "ready"
 MAX_NAMESPACES = 4096
@@ -57,6 +59,7 @@ class Bucket:
     ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries only (lookups)
     stats: Counter = field(default_factory=Counter)
     ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
+    owner: str = ""          # tenant whose share its blocks count against (shares.owner_of)
 
     def ready_blocks(self) -> int:
         return self.ready
@@ -81,9 +84,10 @@ class LoadPlan:
 
 
 class BlockIndex:
-    def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy | None = None):
+    def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy | None = None, share: float = 1.0):
         self.alloc_ = allocator
-        self.policy = policy if policy is not None else LRUPolicy()
+        self.tenants = TenantShares(allocator, share, policy if policy is not None else LRUPolicy())
+        self.policy = self.tenants.policy  # with share < 1 it also keeps each tenant's own order
         self.namespaces: dict[str, Bucket] = {}
         self._next_ns = 0
         self.by_offset: dict[int, Entry] = {}  # prefix entries only, for slab eviction
@@ -105,7 +109,7 @@ class BlockIndex:
         if ns is None:
             cls = self.alloc_.add_class(block_bytes)
             self._next_ns += 1  # never reused, even after an empty namespace is forgotten
-            ns = Bucket(self._next_ns, fingerprint, block_bytes, cls)
+            ns = Bucket(self._next_ns, fingerprint, block_bytes, cls, owner=owner_of(fingerprint))
             self.namespaces[fingerprint] = ns
         elif ns.block_bytes != block_bytes:
             raise ValueError(f"namespace {fingerprint!r} has {ns.block_bytes}-byte blocks, "
@@ -140,7 +144,8 @@ class BlockIndex:
                     plan.skipped.append(i)
                 else:
                     todo[key] = i
-            offsets = self.alloc_many(ns.cls, len(todo))
+            offsets = self.alloc_many(ns.cls, self.tenants.room(self, ns, len(todo)))
+            self.tenants.charge(ns, len(offsets))
             for (key, i), offset in zip(todo.items(), offsets):
                 e = Entry(ns, key, offset)
                 entries[key] = e
@@ -237,6 +242,7 @@ class BlockIndex:
             out.append(e)
         adopted = [e.key for e in out if e is not None]
         ns.ready += len(adopted)
+        self.tenants.charge(ns, len(adopted))
         if self.mirror is not None and adopted:
             self.mirror.stored(ns, adopted)
         return out
@@ -338,6 +344,7 @@ class BlockIndex:
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)
+        self.tenants.charge(e.ns, -1)
 
     # ---- integrity ---------------------------------------------------------------
     def counters(self) -> dict:
@@ -371,28 +378,7 @@ class BlockIndex:
                 problems.append(f"namespace {n.fingerprint}: ready count {n.ready} is wrong")
             if n.ready_map != {k: e for k, e in n.entries.items() if e.state == READY}:
                 problems.append(f"namespace {n.fingerprint}: ready map disagrees with the entries")
+        problems += self.tenants.problems(self)
         if problems:
             raise IntegrityError(f"{problems}; counters={c}")
 
-
-def ready_prefix(ready: dict, keys: list) -> list:
-    """Entries of the longest prefix of ``keys`` found in ``ready``.
-
-    Bisection finds L with keys[L - 1] ready and keys[L] not (log2(n) probes;
-    a hash chain whose suffixes are evicted first is ready up to one point),
-    then one C-level pass fetches keys[:L] and so proves them all ready: the
-    answer is exact for any keys. Only if that proof fails (a hole inside the
-    prefix: a discarded block, or keys that are not one chain) does it fall
-    back to a walk, in C too.
-    """
-    lo, hi = 0, len(keys)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if keys[mid] in ready:
-            lo = mid + 1
-        else:
-            hi = mid
-    try:
-        return list(map(ready.__getitem__, keys[:lo]))
-    except KeyError:
-        return list(map(ready.__getitem__, takewhile(ready.__contains__, keys)))

@@ -77,6 +77,9 @@ def test_metrics_reflect_traffic(daemon_factory):
         assert g("kvtier_transfer_bytes_total", ("op", "load")) == 4 * BLOCK
         assert g("kvtier_errors_total", ("code", "BAD_ARGUMENT")) == 1
         assert g("kvtier_swap_bytes") == 0
+        tenant = ("tenant", f"uid{os.getuid()}")
+        assert g("kvtier_tenant_bytes", tenant) == 12 * BLOCK and g("kvtier_tenant_share") == 1.0
+        assert g("kvtier_tenant_at_share_total", tenant) == 0
 
         # One store and one load, each timed from request to copy completion.
         for op in ("store", "load"):
