@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Stores into one full pool shared by engines of two block sizes, against one size.
 
-    python scripts/bench_size_classes.py [--stores 300] [--no-daemon] [--profile]
+    python scripts/bench_size_classes.py [--stores 400] [--no-daemon] [--concurrent] [--profile]
 
 Two engines store fresh chains in turn into a full pool (every store evicts).
 "mixed": one engine has 256 KiB blocks (65 per store), the other 64 KiB
@@ -12,9 +12,11 @@ Baselines from the same run, interleaved store by store: both engines with
 
 1. sans-IO: the real ``BlockIndex`` and ``SlabAllocator`` (no sockets, no
    copies), ``prepare_store`` + ``complete_store`` per store; also how many
-   evicted blocks were newer than the oldest block left (LRU order broken by
-   whole-slab eviction) and the hit rate when each engine re-reads one of its
-   recent chains after every store.
+   evicted blocks were newer than a block of the storing class that stayed
+   (LRU order broken by whole-slab eviction), the share of the pool held by
+   blocks no lookup reaches (their chain lost an earlier block), and the hit
+   rate when each engine re-reads one of its last ``--window`` chains after
+   every store.
 2. daemon: one private daemon per case, two clients with their own shared
    KV caches; ``store(...).wait()`` per store ("until done").
 
@@ -58,6 +60,7 @@ class SansIO:
         self.counter = 0
         self.times = [[] for _ in engines]
         self.evicted = self.out_of_order = 0
+        self.dead: list[float] = []  # unreachable share, sampled
         self.hits = [[0, 0] for _ in engines]   # [blocks hit, blocks asked]
 
     def fresh(self, n: int) -> list[bytes]:
@@ -75,19 +78,35 @@ class SansIO:
         if measure:
             self.times[i].append(dt)
             if before is not None:
-                self._audit(before)
+                self._audit(before, ns.cls)
+                if len(self.times[i]) % 10 == 0:
+                    self.dead.append(self.unreachable())
             self._reread(i)
 
-    def _audit(self, before: dict) -> None:
-        # Evicted blocks newer than the oldest block that stayed: exact LRU across
-        # the pool would have evicted that older block instead.
+    def _audit(self, before: dict, cls: int) -> None:
+        # Evicted blocks newer than a block of the storing class that stayed: exact
+        # LRU would have evicted that older block first (whole-slab eviction of
+        # another class's slab throws its newer blocks away with its oldest).
         now = self.idx.policy._stamp
         gone = [s for e, s in before.items() if e not in now]
-        kept = [s for e, s in before.items() if e in now]
+        kept = [s for e, s in before.items() if e in now and e.ns.cls == cls]
         self.evicted += len(gone)
         if kept:
             oldest_kept = min(kept)
             self.out_of_order += sum(s > oldest_kept for s in gone)
+
+    def unreachable(self) -> float:
+        """Share of the pool's ready bytes in blocks whose chain lost an earlier
+        block: no lookup reaches them, yet they take room until they age out."""
+        dead = ready = 0
+        for (ns, _n), chains in zip(self.engines, self.chains):
+            live = ns.ready_map
+            for keys in chains:
+                have = [k in live for k in keys]
+                reach = have.index(False) if False in have else len(have)
+                dead += sum(have[reach:]) * ns.block_bytes
+            ready += ns.ready * ns.block_bytes
+        return dead / max(1, ready)
 
     def _reread(self, i: int) -> None:
         # The engine asks again for one of its last `window` chains (a prompt prefix coming back).
@@ -115,15 +134,18 @@ def run_sansio(args) -> tuple[dict, str]:
         for i, (ns, n) in enumerate(c.engines):
             mn, p50, p90 = stats_ms(c.times[i])
             hit = c.hits[i][0] / max(1, c.hits[i][1])
+            dead = f"{sum(c.dead) / len(c.dead):.1%}" if c.dead and i == 0 else ""
             rows.append([name, f"{bl.short_size(ns.block_bytes)} x{n}", mn, p50, p90, f"{hit:.1%}",
-                         c.out_of_order if i == 0 else "", c.evicted if i == 0 else ""])
+                         c.out_of_order if i == 0 else "", c.evicted if i == 0 else "", dead])
             report[f"{name}/{i}"] = {"min_ms": mn, "p50_ms": p50, "p90_ms": p90, "hit_rate": hit}
         report[name + "/out_of_order"] = c.out_of_order
         report[name + "/evicted"] = c.evicted
+        report[name + "/unreachable_share"] = sum(c.dead) / len(c.dead) if c.dead else None
     if prof:
         pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     table = bl.table(["case", "engine", "min ms", "p50 ms", "p90 ms", "re-read hit rate",
-                      "evicted newer than oldest kept", "evicted"], rows,
+                      "evicted newer than a kept block of the storing class", "evicted",
+                      "unreachable share of pool (mean)"], rows,
                      f"sans-IO: prepare+complete_store, pool {bl.short_size(args.pool)}, "
                      f"slab {bl.short_size(args.slab)}, {args.stores} rounds")
     return report, table
@@ -201,8 +223,9 @@ def store_run(key, client, n: int, count: int, times: dict | None) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pool", type=bl.parse_size, default=512 * MiB)
-    ap.add_argument("--slab", type=bl.parse_size, default=64 * MiB, help="the daemon's default")
+    ap.add_argument("--pool", type=bl.parse_size, default=256 * MiB)
+    ap.add_argument("--slab", type=bl.parse_size, default=4 * MiB,
+                    help="4 MiB: bench_step_calls.py's daemons, where it was seen; the daemon's default is 64 MiB")
     ap.add_argument("--stores", type=int, default=400, help="measured rounds (each engine stores once), sans-IO")
     ap.add_argument("--daemon-stores", type=int, default=60, help="measured rounds through the daemon")
     ap.add_argument("--window", type=int, default=12, help="re-reads pick one of the engine's last N chains")

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from . import reclaim
 from .allocator import IntegrityError, SlabAllocator
 from .policy import EvictionPolicy, LRUPolicy
 from .prefix import ready_prefix
@@ -93,6 +94,7 @@ class BlockIndex:
         self.by_offset: dict[int, Entry] = {}  # prefix entries only, for slab eviction
         self.pinned_offsets: set[int] = set()  # offsets held outside the policy (swap)
         self.evictions = 0
+        self.slab_walk_limit = reclaim.SLAB_WALK_LIMIT
         self.record_events = False
         self.mirror = None  # optional: .stored(bucket, keys) / .removed(bucket, key) as READY changes
         self.journal = None  # optional: .removed(entry) before a READY entry's slot is freed (warm restart)
@@ -280,31 +282,10 @@ class BlockIndex:
 
     def _evict_for(self, cls: int, need: int = 1) -> bool:
         """Evict, oldest first, entries of ``cls`` and whole slabs of other classes
-        (when the oldest evictable entry lives in one: frees a slab for us) until
-        ``need`` blocks of ``cls`` fit, in one walk over the policy."""
-        # Slabs found holding swap, in-flight or pinned blocks: nothing changes
-        # during the walk, so each is scanned once, not once per entry in it
-        # (a swap slot in every slab made one allocation O(entries x slots per slab)).
-        blocked: set[int] = set()
-        victims: list[Entry] = []
-        per_slab = self.alloc_.classes[cls].per_slab
-        for e in self.policy.candidates():
-            if need <= 0:
-                break
-            if e.pins:
-                continue
-            if e.ns.cls == cls:
-                victims.append(e)
-                need -= 1
-                continue
-            slab = self.alloc_.slab_of(e.offset)
-            if slab in blocked:
-                continue
-            blocked.add(slab)  # taken or refused: either way not scanned again
-            whole = self._slab_victims(slab)
-            if whole:
-                victims += whole
-                need -= per_slab
+        (once the walk passed all of a slab's blocks) until ``need`` blocks of
+        ``cls`` fit, in one walk over the policy (``reclaim.pick``)."""
+        victims = reclaim.pick(self.policy.candidates(), cls, need, self.alloc_, self._slab_victims,
+                               self.slab_walk_limit)
         if not victims:
             return False
         for v in victims:

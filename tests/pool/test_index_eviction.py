@@ -129,34 +129,6 @@ def test_no_space_rather_than_evicting_pinned_blocks_of_another_class():
     idx.check_integrity()
 
 
-class CountingAllocator(SlabAllocator):
-    """The real allocator, counting how often eviction reads a slab's slots."""
-    scans = 0
-
-    def used_offsets(self, s):
-        self.scans += 1
-        return super().used_offsets(s)
-
-
-def test_a_blocked_slab_is_scanned_once_per_allocation():
-    alloc = CountingAllocator(4 * SLAB, SLAB)
-    idx = BlockIndex(alloc)
-    a, b = idx.namespace("model-a", BLOCK_A), idx.namespace("model-b", BLOCK_B)
-    keys = chain("a", 16)
-    stored(idx, a, keys)
-    pin = idx.prepare_load(a, keys[::4])  # one pinned block in every slab
-    alloc.scans = 0
-    plan = idx.prepare_store(b, chain("b", 1))
-    assert plan.no_space == [0]
-    # 12 unpinned A entries are candidates, but only 4 slabs hold them: reading
-    # a slab again for each of its entries made one allocation cost entries x
-    # slots per slab (39 s for 64K entries with a swapped request per 64 MiB slab).
-    assert alloc.scans == 4
-    idx.complete_store(plan)
-    idx.complete_load(pin)
-    idx.check_integrity()
-
-
 def test_slab_with_an_inflight_block_is_not_evicted_for_another_class():
     idx = make_index(slabs=2)
     a, b = idx.namespace("model-a", BLOCK_A), idx.namespace("model-b", BLOCK_B)
