@@ -17,7 +17,9 @@ Baselines from the same run, interleaved store by store: both engines with
    blocks no lookup reaches (their chain lost an earlier block), and the hit
    rate when each engine re-reads one of its last ``--window`` chains after
    every store.
-2. daemon: one private daemon per case, two clients with their own shared
+2. worst case of the eviction walk: a recent block in every slab of one class
+   (a 2 and an 8 GiB pool of 64 MiB slabs), one store of the other class.
+3. daemon: one private daemon per case, two clients with their own shared
    KV caches; ``store(...).wait()`` per store ("until done").
 
 Per store, min / p50 / p90 in ms, over the stores after the pool filled.
@@ -151,6 +153,36 @@ def run_sansio(args) -> tuple[dict, str]:
     return report, table
 
 
+def run_worst(args) -> tuple[dict, str]:
+    """The walk's worst case: every slab of the 64 KiB class holds one recently
+    read block, so no slab's blocks are all older than the rest; then the
+    256 KiB class stores 65 blocks (the walk passes up to its limit, then takes
+    the slab of each next oldest block)."""
+    rows, report = [], {}
+    for pool in (args.worst_pool // 4, args.worst_pool):
+        times = []
+        for _ in range(3):
+            idx = BlockIndex(SlabAllocator(pool, 64 * MiB))
+            x, y = idx.namespace("x", 64 * KiB), idx.namespace("y", 256 * KiB)
+            per = 64 * MiB // (64 * KiB)
+            keys = [i.to_bytes(16, "little") for i in range(per * (pool // (64 * MiB)))]
+            for i in range(0, len(keys), 4096):
+                idx.complete_store(idx.prepare_store(x, keys[i:i + 4096]))
+            for s in range(0, len(keys), per):
+                idx.lookup(x, [keys[s + per - 1]])
+            t0 = time.perf_counter()
+            plan = idx.prepare_store(y, [b"y" + i.to_bytes(15, "little") for i in range(65)])
+            times.append(time.perf_counter() - t0)
+            if plan.no_space:
+                raise SystemExit("worst case: the store found no room")
+            idx.complete_store(plan)
+        mn, p50, _ = stats_ms(times)
+        rows.append([bl.short_size(pool), len(keys), mn, p50])
+        report[bl.short_size(pool)] = {"blocks": len(keys), "min_ms": mn, "p50_ms": p50}
+    return report, bl.table(["pool (64MiB slabs)", "64KiB blocks", "min ms", "p50 ms"], rows,
+                            "worst case: a recent block in every slab, one 65-block store of the other class")
+
+
 def run_daemon(args) -> tuple[dict, str]:
     import torch
 
@@ -233,6 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrent", action="store_true", help="daemon: the two engines store at the same time")
     ap.add_argument("--burst", type=int, default=10, help="--concurrent: stores per engine per turn")
     ap.add_argument("--no-daemon", action="store_true")
+    ap.add_argument("--worst-pool", type=bl.parse_size, default=8 * 2**30,
+                    help="pool of the worst-case walk (and a quarter of it); 0: skip")
     ap.add_argument("--profile", action="store_true", help="cProfile the mixed sans-IO case")
     bl.add_json_flag(ap)
     args = ap.parse_args(argv)
@@ -240,6 +274,10 @@ def main(argv=None) -> int:
     r, t = run_sansio(args)
     report["sansio"] = r
     tables.append(t)
+    if args.worst_pool:
+        r, t = run_worst(args)
+        report["worst"] = r
+        tables.append(t)
     if not args.no_daemon:
         r, t = run_daemon(args)
         report["daemon"] = r
