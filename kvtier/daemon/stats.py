@@ -85,17 +85,18 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
         "remote": d.remote.stats() if d.remote is not None else {"enabled": False},
         "disk": d.disk.stats(None if everything else viewer.tenant) if d.disk is not None else {"enabled": False},
-        "tenants": _tenant_stats(d.index.tenants, None if everything else viewer.tenant),
+        "tenants": _tenant_stats(d.index, None if everything else viewer.tenant),
         "lookup_index": _mirror_stats(d.lookup_indexes),
         "warm_restart": d.warm.stats() if d.warm is not None else {"enabled": False},
     }
 
 
-def _tenant_stats(shares, tenant: str | None) -> dict:
+def _tenant_stats(index, tenant: str | None) -> dict:
     """Pool bytes (READY + being stored) per tenant and the share they are held to;
     a tenant that is not an admin sees its own row only."""
+    shares = index.tenants
     rows = {t: {"bytes": b, "at_share": shares.at_share[t], "own_evictions": shares.own_evictions[t]}
-            for t, b in shares.usage().items() if tenant is None or t == tenant}
+            for t, b in shares.usage(index).items() if tenant is None or t == tenant}
     return {"share": shares.share, "limit_bytes": shares.limit, "tenants": rows}
 
 

@@ -146,8 +146,8 @@ class BlockIndex:
                     plan.skipped.append(i)
                 else:
                     todo[key] = i
-            offsets = self.alloc_many(ns.cls, self.tenants.room(self, ns, len(todo)))
-            self.tenants.charge(ns, len(offsets))
+            shares = self.tenants  # on: a tenant at its share makes room from its own blocks
+            offsets = shares.take(self, ns, len(todo)) if shares.on else self.alloc_many(ns.cls, len(todo))
             for (key, i), offset in zip(todo.items(), offsets):
                 e = Entry(ns, key, offset)
                 entries[key] = e
@@ -325,7 +325,8 @@ class BlockIndex:
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)
-        self.tenants.charge(e.ns, -1)
+        if self.tenants.on:  # off: no per-block cost at all (usage() counts namespaces)
+            self.tenants.charge(e.ns, -1)
 
     # ---- integrity ---------------------------------------------------------------
     def counters(self) -> dict:

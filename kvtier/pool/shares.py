@@ -7,8 +7,8 @@ of the pool's bytes: a store that would pass it first evicts that tenant's own
 oldest blocks (of the class it needs, or whole slabs holding only its own
 evictable blocks), never another's; what still does not fit is ``no_space``,
 a value, as when the pool is full. Below its share a store evicts by global
-LRU as before. ``share`` = 1 keeps the old behaviour and its cost: only the
-byte counters run.
+LRU as before. ``share`` = 1 keeps the old behaviour and its cost: no
+counter runs, and ``usage`` sums the namespaces (O(namespaces), for stats).
 
 A namespace's owner is the tenant part of its key (``tenant SEP fingerprint``,
 ``daemon.tenancy``); a key without SEP belongs to tenant "" (tests, tools).
@@ -16,9 +16,11 @@ A namespace's owner is the tenant part of its key (``tenant SEP fingerprint``,
 Primitives (no I/O but one rate-limited log line):
   owner_of(fingerprint) -> str
   TenantShares(allocator, share, policy)   .policy: the policy the index uses
-  charge(ns, blocks)                        O(1) per store batch / dropped block
+  on                                        share < 1: counters and the split order run
+  take(index, ns, wanted) -> [offset]       a store's allocation: room(), alloc, charge
+  charge(ns, blocks)                        O(1) per store batch / dropped block (when on)
   room(index, ns, wanted) -> int            blocks this store may allocate
-  usage() -> {tenant: bytes}, problems(index) -> [str]
+  usage(index) -> {tenant: bytes}, problems(index) -> [str]
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class TenantShares:
             raise ValueError("tenant share must be in (0, 1]")
         self.alloc_ = allocator
         self.share = share
+        self.on = share < 1
         self.limit = int(allocator.capacity * share)  # bytes of slots one tenant may hold
         self.used: Counter = Counter()     # tenant -> bytes of its READY + WRITING slots
         self.at_share: Counter = Counter()  # tenant -> stores that found it at its share
@@ -111,7 +114,13 @@ class TenantShares:
 
     def charge(self, ns, blocks: int) -> None:
         """``blocks`` (negative: freed) of ``ns``'s class now held by its tenant."""
-        self.used[ns.owner] += blocks * self.alloc_.classes[ns.cls].stride
+        if self.on:
+            self.used[ns.owner] += blocks * self.alloc_.classes[ns.cls].stride
+
+    def take(self, index, ns, wanted: int) -> list[int]:
+        offsets = index.alloc_many(ns.cls, self.room(index, ns, wanted))
+        self.charge(ns, len(offsets))
+        return offsets
 
     def room(self, index, ns, wanted: int) -> int:
         """How many of ``wanted`` new blocks ``ns``'s tenant may allocate; at its
@@ -161,14 +170,19 @@ class TenantShares:
         index.evictions += len(victims)
         self.own_evictions[owner] += len(victims)
 
-    def usage(self) -> dict:
-        return {t: b for t, b in self.used.items() if b}
+    def usage(self, index) -> dict:
+        """Bytes per tenant of its READY + WRITING blocks (tenants holding none left out)."""
+        return {t: b for t, b in (self.used if self.on else self._count(index)).items() if b}
 
-    def problems(self, index) -> list[str]:
-        """The counters recomputed from the entries (the index's integrity check)."""
+    def _count(self, index) -> Counter:
         truth: Counter = Counter()
         for n in index.namespaces.values():
             truth[n.owner] += len(n.entries) * self.stride(n)
+        return truth
+
+    def problems(self, index) -> list[str]:
+        """The counters recomputed from the entries (the index's integrity check)."""
+        truth = self._count(index) if self.on else Counter()
         out = []
         if +truth != +self.used or any(b < 0 for b in self.used.values()):
             out.append(f"tenant bytes {dict(self.used)} != entries {dict(truth)}")

@@ -5,7 +5,8 @@
 
   owner   stores OWNER_BLOCKS blocks of a seeded cache under its hashes.
   flood   stores FLOOD_ROUNDS x FLOOD_BLOCKS new blocks, one store per round,
-          then looks up its last round; reports what each store kept.
+          then looks up its last round; reports what each store kept and
+          whose rows its status shows.
   reader  looks the owner's hashes up and loads them into other slots;
           reports the hits and the digest of the bytes it got.
 """
@@ -49,7 +50,8 @@ def flood(socket: str) -> None:
     with Client(socket, name="flood") as c:
         c.register_kv_cache(kv, [0] * 4, NS)
         kept = [c.store(flood_hashes(r), list(range(FLOOD_BLOCKS))).wait().done for r in range(FLOOD_ROUNDS)]
-        say(step="flooded", kept=kept, last_hits=c.lookup(flood_hashes(FLOOD_ROUNDS - 1)))
+        say(step="flooded", kept=kept, last_hits=c.lookup(flood_hashes(FLOOD_ROUNDS - 1)),
+            sees_tenants=sorted(c.stats()["tenants"]["tenants"]))
 
 
 def reader(socket: str) -> None:

@@ -56,6 +56,7 @@ def test_a_flooding_tenant_evicts_only_its_own_blocks(daemon_with_share):
     flooded = run_as("flood", d.socket, FLOODER)
     assert flooded["kept"] == [FLOOD_BLOCKS] * FLOOD_ROUNDS
     assert flooded["last_hits"] == FLOOD_BLOCKS  # its newest blocks are the ones it kept
+    assert flooded["sees_tenants"] == [f"uid{FLOODER}"]  # not who else uses the pool, nor how much
     read = run_as("reader", d.socket, OWNER)
     assert (read["hits"], read["loaded"], read["digest"]) == (OWNER_BLOCKS, OWNER_BLOCKS, stored["digest"])
     t = d.stats()["tenants"]

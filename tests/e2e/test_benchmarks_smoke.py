@@ -228,3 +228,12 @@ def test_bench_status_under_load_runs_a_tp2_engine_and_no_phase_drops_its_client
     assert all(p["status_s"] and not p["status_failures"] for p in data["phases"])
     live = [d for d in data["dropped"] if d["phase"].startswith("engine ")]
     assert not live, live
+
+
+def test_bench_shares_times_every_case_and_the_at_share_case_evicts_only_its_own():
+    out = json.loads(script("bench_shares.py", "--pool-mib", "8", "--stores", "5", "--min-time", "0.01", "--json"))
+    cases = out["cases"]
+    assert len(cases) == 6 and min(c["us_median"] for c in cases.values()) > 0
+    flood = cases["flood, on (0.5, at share)"]
+    assert flood["evictions"] == flood["own_evictions"] > 0  # the idle tenant lost nothing
+    assert cases["two tenants, on (0.75)"]["own_evictions"] == 0  # below its share: global LRU

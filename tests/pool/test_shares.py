@@ -33,7 +33,7 @@ def test_a_flooding_tenant_evicts_only_its_own_oldest_blocks():
         assert stored(idx, a, chain(f"alice{i}", 8)) == 8
         assert idx.tenants.used["alice"] <= idx.tenants.limit
     assert present(b, kept) == [True] * 8  # bob's cache was never touched
-    assert idx.tenants.usage() == {"alice": 16 * BLOCK_A, "bob": 8 * BLOCK_A}
+    assert idx.tenants.usage(idx) == {"alice": 16 * BLOCK_A, "bob": 8 * BLOCK_A}
     assert present(a, chain("alice19", 8)) == [True] * 8  # her newest blocks are the ones kept
     assert idx.tenants.at_share["alice"] > 0 and idx.tenants.own_evictions["alice"] == 160 - 16
 
@@ -46,7 +46,7 @@ def test_with_the_share_off_a_flood_evicts_everyone_as_before():
     for i in range(8):
         stored(idx, a, chain(f"alice{i}", 8))
     assert present(b, kept) == [False] * 8
-    assert idx.tenants.usage() == {"alice": 32 * BLOCK_A}
+    assert idx.tenants.usage(idx) == {"alice": 32 * BLOCK_A}
 
 
 def test_below_its_share_a_store_still_evicts_by_global_lru():
@@ -104,7 +104,7 @@ def test_adopted_blocks_count_against_their_tenant():
     idx = shared_index(0.5, slabs=2)
     a = ns_of(idx, "alice")
     got = idx.adopt(a, [(k, i * BLOCK_A) for i, k in enumerate(chain("w", 3))])
-    assert all(got) and idx.tenants.usage() == {"alice": 3 * BLOCK_A}
+    assert all(got) and idx.tenants.usage(idx) == {"alice": 3 * BLOCK_A}
     idx.check_integrity()
 
 
