@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from typing import Callable, Hashable, Iterator
 
+from . import reclaim
 from .allocator import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -142,28 +143,16 @@ class TenantShares:
         return max(0, min(wanted, (self.limit - self.used[owner]) // stride))
 
     def _evict_own(self, index, ns, over: int) -> None:
-        # Same walk as the index's global one, over the tenant's own order only:
-        # entries of the class needed, or whole slabs that hold only its own
-        # unpinned READY blocks (another tenant's block in the slab refuses it).
-        owner, cls, freed = ns.owner, ns.cls, 0
-        victims, seen = [], set()
-        for e in self.policy.own(owner):
-            if freed >= over:
-                break
-            if e.pins:
-                continue
-            if e.ns.cls == cls:
-                victims.append(e)
-                freed += self.stride(e.ns)
-                continue
-            slab = self.alloc_.slab_of(e.offset)
-            if slab in seen:
-                continue
-            seen.add(slab)
+        # The index's walk (reclaim.pick) over the tenant's own order only, so a
+        # slab of another class completes only when every block in it is the
+        # tenant's; past the walk limit, the same: another tenant's block refuses it.
+        owner = ns.owner
+
+        def own_slab(slab: int):
             whole = index._slab_victims(slab)
-            if whole and all(v.ns.owner == owner for v in whole):
-                victims += whole
-                freed += sum(self.stride(v.ns) for v in whole)
+            return whole if whole and all(v.ns.owner == owner for v in whole) else None
+        victims = reclaim.pick(self.policy.own(owner), ns.cls, -(-over // self.stride(ns)), self.alloc_,
+                               own_slab, index.slab_walk_limit)
         for v in victims:  # after the walk: the policy's iterator is lazy
             index._drop(v, removed=True)
             v.ns.stats["evicted"] += 1

@@ -7,6 +7,7 @@ of an 8-slab pool one tenant may hold 16 of its 32 A-blocks.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,8 +86,10 @@ def test_the_chain_a_store_extends_is_not_evicted_to_make_room_for_it():
     assert present(a, head) == [True] * 8
 
 
-def test_whole_slabs_of_another_class_are_taken_only_when_all_its_own():
+@pytest.mark.parametrize("walk_limit", [16384, 0])  # 0: the rule past reclaim's walk limit
+def test_whole_slabs_of_another_class_are_taken_only_when_all_its_own(walk_limit):
     idx = shared_index(0.5, slabs=4)  # 32 KiB each; A = 4 KiB, B = 8 KiB
+    idx.slab_walk_limit = walk_limit
     a_small, a_big = ns_of(idx, "alice"), ns_of(idx, "alice", BLOCK_B, "big")
     b_big = ns_of(idx, "bob", BLOCK_B, "big")
     stored(idx, a_big, chain("ab", 1))      # slab 0: alice's B block ...
