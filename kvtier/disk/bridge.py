@@ -44,6 +44,7 @@ from ..protocol.codec import encode
 from .format import HEADER_BYTES, MAX_NS_KEY
 from .index import DiskEntry, DiskIndex
 from .io import DiskIO
+from .shares import tenant_of
 
 log = logging.getLogger("kvtier.disk")
 FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us each measured
@@ -122,7 +123,7 @@ class DiskBridge:
         size = ns.block_bytes
         n = min(len(entries), max(0, self.queue_bytes - self.queued) // size)
         self.counters["queue_full"] += len(entries) - n
-        victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH) if n else None
+        victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH, tenant_of(key)) if n else None
         if victims is None:
             self.counters["write_skipped"] += n
             return
@@ -142,7 +143,7 @@ class DiskBridge:
         self.index.unpin(entries)
         self.queued -= len(entries) * size
         self.writing.difference_update((key, e.key) for e in entries)
-        self.dindex.release(len(entries) * (HEADER_BYTES + size))
+        self.dindex.release(len(entries) * (HEADER_BYTES + size), tenant_of(key))
         stale = gen != self.generation[key]  # flushed while being written
         unannounced = []
         for i, crc, path in job.ok:
@@ -345,8 +346,11 @@ class DiskBridge:
                    "queue_full", "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",
                    "timed_out", "no_room", "late")},
                "last_errors": errors}
+        shares = self.dindex.shares  # tenant_share of disk_size: a tenant at it dropped its own oldest
+        out.update(tenant_share=shares.share, tenant_limit_bytes=shares.limit)
         if tenant is None:
             out["tenants"] = dict(tenants)
+            out["own_dropped"] = dict(shares.own_dropped)
         return out
 
     def check_integrity(self) -> None:

@@ -19,10 +19,10 @@ since are skipped when popped, and the heap is rebuilt when it holds more
 stale items than live ones.
 
 Primitives:
-  DiskIndex(capacity)
+  DiskIndex(capacity, share=1.0)            share < 1: per tenant (shares.py), a write at it drops its own
   entries_of(ns_key) -> {key: DiskEntry} | None    what a lookup or load reads
-  reserve(nbytes, limit) -> [victims] | None  room for a write (None: it can never fit)
-  release(nbytes)                          a reserved write ended (added or failed)
+  reserve(nbytes, limit, tenant=None) -> [victims] | None  room for a write (None: it can never fit)
+  release(nbytes, tenant=None)             a reserved write ended (added or failed)
   add(entry, found=False) -> [victims]     a complete file (found: by the scan, not fitted yet);
                                            an older copy of its key is a victim
   shrink(limit=None) -> [victims]          fit within capacity, at most ``limit`` victims per call
@@ -39,6 +39,7 @@ import itertools
 from collections import Counter
 
 from .format import HEADER_BYTES
+from .shares import DiskShares
 
 
 class DiskEntry:
@@ -54,8 +55,9 @@ class DiskEntry:
 
 
 class DiskIndex:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, share: float = 1.0):
         self.capacity = capacity
+        self.shares = DiskShares(capacity, share)
         self.used = 0          # bytes of indexed files (headers included)
         self.reserved = 0      # bytes of writes queued or running
         self.namespaces: dict[str, dict[bytes, DiskEntry]] = {}
@@ -77,14 +79,22 @@ class DiskIndex:
     def over(self) -> bool:
         return self.used + self.reserved > self.capacity and self.count > 0
 
-    def reserve(self, nbytes: int, limit: int | None = None) -> list[DiskEntry] | None:
+    def reserve(self, nbytes: int, limit: int | None = None, tenant: str | None = None) -> list[DiskEntry] | None:
         if nbytes > self.capacity - self.reserved:
             return None
+        own = self.shares.make_room(self, tenant, nbytes) if tenant is not None else []
+        if own is None:  # more than the tenant's whole share
+            return None
+        self.dropped += len(own)
         self.reserved += nbytes
-        return self.shrink(limit)
+        if tenant is not None:
+            self.shares.reserved(tenant, nbytes)
+        return own + self.shrink(limit)
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, tenant: str | None = None) -> None:
         self.reserved -= nbytes
+        if tenant is not None:
+            self.shares.reserved(tenant, -nbytes)
 
     def shrink(self, limit: int | None = None) -> list[DiskEntry]:
         """Victims, oldest first, that bring ``used + reserved`` within capacity
@@ -111,6 +121,7 @@ class DiskIndex:
         self.ns_bytes[entry.ns_key] += entry.size
         self.count += 1
         self.used += entry.file_bytes
+        self.shares.added(entry)
         if found:
             self._push(entry, entry.seq)
             return [old] if old is not None else []
@@ -129,6 +140,7 @@ class DiskIndex:
             del self.ns_bytes[entry.ns_key]
         self.count -= 1
         self.used -= entry.file_bytes
+        self.shares.removed(entry)
         entry.age = -1  # its heap item is stale now
         self._compact()
         return True
@@ -147,13 +159,16 @@ class DiskIndex:
     def _push(self, entry: DiskEntry, age: int) -> None:
         entry.age = age
         self._newest = max(self._newest, age)
-        heapq.heappush(self._heap, (age, next(self._n), entry))
+        item = (age, next(self._n), entry)
+        heapq.heappush(self._heap, item)
+        self.shares.pushed(entry, item)
         self._compact()
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * self.count + 64:  # amortized O(1): at least half the items go
             self._heap = [item for item in self._heap if item[2].age == item[0]]
             heapq.heapify(self._heap)
+            self.shares.compact(self._heap)
 
     # ---- accounting ------------------------------------------------------------------
     def by_namespace(self) -> dict[str, tuple[int, int]]:
@@ -173,5 +188,6 @@ class DiskIndex:
             problems.append(f"used {self.used} + reserved {self.reserved} > capacity {self.capacity}")
         if any(not v for v in self.namespaces.values()):
             problems.append("empty namespace kept")
+        problems += self.shares.problems(flat)
         if problems:
             raise AssertionError(f"disk index: {problems}")

@@ -71,7 +71,7 @@ def open_disk(config, pool, index, send, redispatch, crcs: dict | None) -> DiskB
         return None
     root = check_dir(config.disk_path)
     io = DiskIO(root, pool, config.disk_threads)
-    bridge = DiskBridge(io, DiskIndex(config.disk_size), index, send, redispatch, config.disk_timeout_s,
+    bridge = DiskBridge(io, DiskIndex(config.disk_size, config.tenant_share), index, send, redispatch, config.disk_timeout_s,
                         min(QUEUE_BYTES, config.pool_size // 4), crcs)
     index.lower = bridge
     log.info("disk tier %s: %s, %d I/O threads, loads wait at most %.2fs; scanning its files",

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import REPO, DaemonProc
 from tests.daemon.share_worker import FLOOD_BLOCKS, FLOOD_ROUNDS, OWNER_BLOCKS
+from tests.daemon.test_reaping import wait_for
 from tests.daemon.test_tenants import lines
 
 WORKER = os.path.join(REPO, "tests", "daemon", "share_worker.py")
@@ -77,3 +78,39 @@ def test_with_the_share_off_the_flood_evicts_the_other_tenant_as_before(daemon_w
     assert run_as("reader", d.socket, OWNER)["hits"] < OWNER_BLOCKS
     t = d.stats()["tenants"]
     assert t["share"] == 1.0 and t["tenants"][f"uid{FLOODER}"]["at_share"] == 0
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_the_disk_tier_keeps_another_tenants_files_through_a_flood(tmp_path, share):
+    """The same flood with a 2 MiB disk tier (102 files of 20 KiB): every block
+    stored is written behind. After a restart the RAM pool is empty, so the
+    owner's blocks come from disk only: with the share all 24 hit and load byte
+    for byte (the flooder dropped only its own files); off, the flood dropped them."""
+    run = tempfile.mkdtemp(prefix="kvt-share-disk-")
+    os.chmod(run, 0o755)
+    env = {"KVTIER_SOCKET_MODE": "666", "KVTIER_TENANT_SHARE": str(share),
+           "KVTIER_DISK_PATH": str(tmp_path / "disk"), "KVTIER_DISK_SIZE": "2MiB"}
+    sock = os.path.join(run, "kvtier.sock")
+
+    def start():
+        return DaemonProc(tmp_path, pool_size="1MiB", slab_size="256KiB", env=env, socket=sock)
+    try:
+        d = start()
+        stored = run_as("owner", sock, OWNER)
+        assert stored["done"] == OWNER_BLOCKS
+        run_as("flood", sock, FLOODER)
+        disk = d.stats()["disk"]
+        d.stop()
+        d = start()
+        assert wait_for(lambda: not d.stats()["disk"]["scanning"], 20)
+        read = run_as("reader", sock, OWNER)
+        d.stop()
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    assert disk["written"] > 100  # the flood reached the disk: more than it holds
+    if share < 1:
+        assert disk["tenant_limit_bytes"] == 2**20 and disk["own_dropped"][f"uid{FLOODER}"] > 0
+        assert f"uid{OWNER}" not in disk["own_dropped"]
+        assert (read["hits"], read["loaded"], read["digest"]) == (OWNER_BLOCKS, OWNER_BLOCKS, stored["digest"])
+    else:
+        assert read["hits"] < OWNER_BLOCKS

@@ -1,0 +1,108 @@
+"""Per-tenant shares of ``disk_size`` (``tenant_share``), kept with the disk index.
+
+Blocks go to disk as the RAM pool evicts them, so without a limit one tenant
+storing without end fills ``disk_size`` with its own and drops every other
+tenant's files. With ``share`` < 1, a tenant's files plus its writes in flight
+may take at most ``share`` of ``disk_size``: a write that would pass it first
+drops that tenant's own oldest files (its own age heap, lazily cleaned like
+the index's), never another's; a write larger than the share is skipped.
+Below its share a write makes room by the global age order as before. Files
+found by the start-up scan count against their tenant but are not dropped
+for its share (the global fit runs once all are found).
+
+A namespace key is ``tenant SEP fingerprint`` (``daemon.tenancy``).
+
+Primitives (sans-IO; DiskIndex calls them):
+  DiskShares(capacity, share)     .on, .limit
+  tenant_of(ns_key) -> str
+  added(entry) / removed(entry) / pushed(entry, item) / compact(live)
+  make_room(index, tenant, nbytes) -> [victims] | None   before a reservation
+  reserved(tenant, nbytes)         +/-: a write queued or ended
+  usage() -> {tenant: bytes}, problems(entries) -> [str]
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+
+SEP = "\x1f"  # daemon.tenancy.SEP
+
+
+def tenant_of(ns_key: str) -> str:
+    tenant, sep, _ = ns_key.partition(SEP)
+    return tenant if sep else ""
+
+
+class DiskShares:
+    def __init__(self, capacity: int, share: float = 1.0):
+        if not 0 < share <= 1:
+            raise ValueError("tenant share must be in (0, 1]")
+        self.share, self.on = share, share < 1
+        self.limit = int(capacity * share)
+        self.used: Counter = Counter()      # tenant -> bytes of its indexed files (headers included)
+        self.pending: Counter = Counter()   # tenant -> bytes of its writes queued or running
+        self.own_dropped: Counter = Counter()
+        self._heaps: dict[str, list] = {}   # tenant -> (age, n, entry), stale items included
+
+    def added(self, entry) -> None:
+        self.used[tenant_of(entry.ns_key)] += entry.file_bytes
+
+    def removed(self, entry) -> None:
+        t = tenant_of(entry.ns_key)
+        self.used[t] -= entry.file_bytes
+        if not self.used[t]:
+            del self.used[t]
+
+    def pushed(self, entry, item) -> None:
+        if self.on:
+            heapq.heappush(self._heaps.setdefault(tenant_of(entry.ns_key), []), item)
+
+    def compact(self, live: list) -> None:
+        """The index dropped its stale heap items (``live``: the rest): so do the tenants'."""
+        if self.on:
+            self._heaps = {}
+            for item in live:
+                self._heaps.setdefault(tenant_of(item[2].ns_key), []).append(item)
+            for h in self._heaps.values():
+                heapq.heapify(h)
+
+    def make_room(self, index, tenant: str, nbytes: int) -> list | None:
+        """The tenant's own oldest entries to drop so ``nbytes`` more fit its share
+        (removed from ``index`` already), or None: it cannot fit at all."""
+        if not self.on:
+            return []
+        if nbytes > self.limit - self.pending[tenant]:
+            return None
+        victims, heap = [], self._heaps.get(tenant, [])
+        while self.used[tenant] + self.pending[tenant] + nbytes > self.limit and heap:
+            age, _, entry = heapq.heappop(heap)
+            if entry.age == age and index.remove(entry):
+                victims.append(entry)
+        # All its files gone, pending + nbytes <= limit fits (checked above).
+        if victims:
+            self.own_dropped[tenant] += len(victims)
+        return victims
+
+    def reserved(self, tenant: str, nbytes: int) -> None:
+        self.pending[tenant] += nbytes
+        if not self.pending[tenant]:
+            del self.pending[tenant]
+
+    def usage(self) -> dict:
+        return {t: b for t, b in self.used.items() if b}
+
+    def problems(self, entries: list) -> list[str]:
+        truth: Counter = Counter()
+        for e in entries:
+            truth[tenant_of(e.ns_key)] += e.file_bytes
+        out = []
+        if +truth != +self.used or any(b < 0 for b in self.used.values()):
+            out.append(f"tenant bytes {dict(self.used)} != files {dict(truth)}")
+        if any(b < 0 for b in self.pending.values()):
+            out.append(f"negative tenant reservations {dict(self.pending)}")
+        if self.on:
+            live = sorted(id(i[2]) for h in self._heaps.values() for i in h if i[2].age == i[0])
+            if live != sorted(map(id, entries)):
+                out.append("tenant age heaps disagree with the entries")
+        return out
