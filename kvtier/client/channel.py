@@ -168,6 +168,23 @@ class Channel:
             self._outbox.clear()
             self.cv.notify_all()
 
+    def cancel_and_confirm(self, limit: float | None, only: set[int] | None = None) -> bool:
+        """Cancel every transfer in flight (``only``: those of these ids); True
+        once each is answered or the daemon is gone, False past ``limit`` s."""
+        with self.cv:
+            waiting = self.session.transfers_waiting()
+            pending = sorted(waiting & only if only is not None else waiting)
+        for rid in pending:
+            self.cancel(rid)
+        deadline = None if limit is None else time.monotonic() + limit
+        while pending and not self.session.daemon.gone():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self.pump(0.05)  # replies are filed for their handles
+            with self.cv:
+                pending = [r for r in pending if r in self.session.waiting and r not in self.session.replies]
+        return True
+
     def pump(self, timeout: float) -> None:
         """File whatever replies arrive within ``timeout`` (for their waiters)."""
         self.poll_reply(0, timeout)  # request ids start at 1: this one never comes

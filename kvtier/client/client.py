@@ -34,6 +34,7 @@ from ..protocol.endpoints import default_socket
 from ..protocol.errors import ErrorCode
 from .channel import Channel
 from .errors import DaemonUnavailable, KVTierError
+from .fences import Fences
 from .handover import hand_over
 from .handles import TransferHandle, failed_all
 from .keeper import Keeper
@@ -82,8 +83,7 @@ class Client:
         self._mirror = None  # ShmIndexReader of the namespace's ready hashes, when offered
         self.kv: "ShmKVCache | CudaKVCache | None" = None
         self.block_factor = 1
-        self._fences = None  # CUDA: EventRing of the events recorded on the caller's stream
-        self._events = None  # CUDA: daemon events opened from their IPC handles (EventCache)
+        self._fences = Fences()  # CUDA: events on the engine's stream, the daemon's events
         self._sent: set[int] = set()  # transfers this Client sent (a shared one's close cancels only these)
         self._closed = self._closing = False
 
@@ -191,7 +191,7 @@ class Client:
             self._closing = True
         if shared:
             return self._close_view(timeout)
-        if not self._confirm_transfers(timeout):
+        if not self.channel.cancel_and_confirm(timeout):
             log.error("kvtier: close: the daemon has not confirmed every cancelled transfer; "
                       "their blocks stay held and the client stays open")
             self._closing = False
@@ -219,7 +219,7 @@ class Client:
     def _close_view(self, timeout: float | None) -> bool:
         """Close one of several Clients on a connection: its transfers first (as
         ``close``), then its registration; the connection stays for the others."""
-        if not self._confirm_transfers(timeout, only=self._sent):
+        if not self.channel.cancel_and_confirm(timeout, only=self._sent):
             log.error("kvtier: close: the daemon has not confirmed every cancelled transfer; "
                       "their blocks stay held and the cache stays registered")
             self._closing = False
@@ -234,23 +234,6 @@ class Client:
                 pass  # a lost session: the daemon forgot the registration anyway
         self._reg = None
         self._open_mirror("")
-        return True
-
-    def _confirm_transfers(self, limit: float | None, only: set[int] | None = None) -> bool:
-        """Cancel every transfer in flight (``only``: those of these ids); True
-        once each is answered or the daemon is gone."""
-        with self.channel.cv:
-            pending = sorted(self.session.transfers_waiting() & only if only is not None
-                             else self.session.transfers_waiting())
-        for rid in pending:
-            self.channel.cancel(rid)
-        deadline = None if limit is None else time.monotonic() + limit
-        while pending and not self.session.daemon.gone():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            self.channel.pump(0.05)  # replies are filed for their handles
-            with self.channel.cv:
-                pending = [r for r in pending if r in self.session.waiting and r not in self.session.replies]
         return True
 
     def __enter__(self):
@@ -342,7 +325,7 @@ class Client:
         ``torch.cuda.Event(interprocess=True)`` already recorded there as
         ``event``; the daemon's copy waits for it instead of reading early."""
         _check_len(len(block_ids), len(hashes) * self.block_factor)
-        msg = m.Store(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), self._fence(event, stream))
+        msg = m.Store(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), self._fences.handle(event, stream))
         return self._transfer(msg, len(hashes), block_ids)
 
     def load(self, hashes: Sequence[bytes], block_ids: Sequence[int], skip: int = 0, *, event=None,
@@ -361,7 +344,7 @@ class Client:
         them, call ``handle.wait_event(stream)`` so that stream waits for the
         daemon's copy."""
         _check_len(len(block_ids), len(hashes) * self.block_factor - skip)
-        msg = m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip, self._fence(event, stream),
+        msg = m.Load(self._reg_id(), pack_hashes(hashes), pack_ids(block_ids), skip, self._fences.handle(event, stream),
                      prefix)
         return self._transfer(msg, len(hashes), block_ids)
 
@@ -422,26 +405,8 @@ class Client:
                 self._sent &= self.session.transfers_waiting()
         self._sent.add(req_id)
         return TransferHandle(self.channel, req_id, count, deadline, None, names, tuple(block_ids),
-                              self.open_event)
+                              self._fences.open)
 
-    def _fence(self, event, stream) -> bytes:
-        """IPC handle of the worker event the daemon must wait on (b"" = none)."""
-        if event is not None and stream is not None:
-            raise ValueError("pass either event or stream, not both")
-        if event is None and stream is None:
-            return b""
-        if stream is not None:
-            from ..transfer.events import EventRing
-            self._fences = self._fences or EventRing()
-            event = self._fences.record(stream)
-        return event if isinstance(event, bytes) else bytes(event.ipc_handle())
-
-    def open_event(self, handle: bytes, device):
-        """The daemon's interprocess event for ``handle``, opened once."""
-        if self._events is None:
-            from ..transfer.events import EventCache
-            self._events = EventCache(64)  # the daemon hands out up to 32 per registration
-        return self._events.open(handle, device)
 
 
 # What Clients sharing one connection (``Client.share``) have in common.

@@ -116,7 +116,7 @@ def test_a_pending_fence_is_not_moved_forward_by_the_next_transfers(gpu_daemon):
         with torch.cuda.stream(slow):
             torch.cuda._sleep(LONG_SPIN)
         first = c.store(block_hashes(list(range(16)), 16), [0], stream=slow)
-        handles = {bytes(c._fences.record(quick).ipc_handle()) for _ in range(FENCE_RING - 2)}
+        handles = {bytes(c._fences.ring.record(quick).ipc_handle()) for _ in range(FENCE_RING - 2)}
         keys = block_hashes(list(range(1000, 1016)), 16)
         assert c.store(keys, [1], stream=quick).wait(timeout=30).done == 1  # not behind the spin
         assert not first.done() and len(handles) == FENCE_RING - 2
