@@ -25,12 +25,18 @@ def clients_of(daemon) -> list[dict]:
     return [c for c in daemon.stats()["clients"] if c["name"] == "engine"]
 
 
+def two_caches(a, seed: int):
+    """A hybrid engine's two groups: ``a`` registers a full-attention cache in NS,
+    a Client shared from it a window cache in WINDOW."""
+    full, window, b = make_kv(seed=seed), make_kv(seed=seed + 1), a.share()
+    a.register_kv_cache(full, [0] * 4, NS)
+    b.register_kv_cache(window, [0] * 4, WINDOW)
+    return b, full, window
+
+
 def test_two_caches_share_one_connection_and_keep_their_namespaces_apart(daemon):
-    full, window = make_kv(seed=1), make_kv(seed=2)
     with daemon.client(name="engine") as a:
-        b = a.share()
-        a.register_kv_cache(full, [0] * 4, NS)
-        b.register_kv_cache(window, [0] * 4, WINDOW)
+        b, full, window = two_caches(a, seed=1)
         # One connection, one client id, both namespaces registered on it.
         assert b.client_id == a.client_id
         (row,) = clients_of(daemon)
@@ -61,12 +67,9 @@ def test_two_caches_share_one_connection_and_keep_their_namespaces_apart(daemon)
 
 def test_a_restarted_daemon_gets_every_shared_cache_back(daemon_factory):
     first = daemon_factory(process=True)
-    full, window = make_kv(seed=3), make_kv(seed=4)
     a = first.client(name="engine", timeout=2.0)
-    b = a.share()
+    b, full, window = two_caches(a, seed=3)
     try:
-        a.register_kv_cache(full, [0] * 4, NS)
-        b.register_kv_cache(window, [0] * 4, WINDOW)
         first.stop(signal.SIGKILL)
         assert wait_for(lambda: not a.connected and not b.connected, 5)
         assert b.lookup(HASHES) == 0 and b.store(HASHES, list(range(8))).wait(timeout=5).failed
@@ -87,11 +90,8 @@ def test_a_restarted_daemon_gets_every_shared_cache_back(daemon_factory):
 
 
 def test_closing_one_cache_leaves_the_others_transfers_alone(daemon):
-    full, window = make_kv(seed=5), make_kv(seed=6)
     with daemon.client(name="engine") as a:
-        b = a.share()
-        a.register_kv_cache(full, [0] * 4, NS)
-        b.register_kv_cache(window, [0] * 4, WINDOW)
+        b, full, window = two_caches(a, seed=5)
         assert a.store(HASHES, list(range(8))).wait().ok
         pending = a.load(HASHES, list(range(16, 24)))
         assert b.close()  # cancels b's transfers (none), not a's load
