@@ -160,8 +160,9 @@ def test_each_engine_process_talks_to_the_daemon_over_one_connection_for_all_its
     engines stay far below ``max_connections_per_user``."""
     log = runs["daemon_log"]
     per_role = Counter(re.findall(r"client \d+ connected: pid=(\d+) .* name='(vllm-(?:scheduler|worker\d+)-[^']*)'", log))
-    assert len(per_role) == 2 * 2 * len(GROUPS), per_role  # scheduler + worker, 2 kvtier engines per model
-    assert set(per_role.values()) == {1}, per_role
+    # One client name per scheduler and per worker (scheduler + worker, 2 kvtier engines per
+    # model), not one per group (a name each, "-g<N>"); a keeper's reconnect may repeat one.
+    assert len(per_role) == 2 * 2 * len(GROUPS), per_role
     # ... and every group was registered on it: both roles, both engines of each model.
     assert log.count("registered cache") >= 2 * 2 * sum(len(w) + len(f) for w, f in GROUPS.values())
 
