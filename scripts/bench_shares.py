@@ -145,7 +145,7 @@ def main() -> int:
         cases[name], indexes[name] = lookup_case(pool, share, args.stores * 10)
         per[name] = args.stores * 10
     times = round_robin(cases, args.min_time)
-    from kvtier.pool.shares import SEP as sep
+    from kvtier.pool.keys import SEP as sep
     assert sep == SEP
     rows, report = [], {"machine": machine_notes(), "pool_bytes": pool, "block_bytes": BLOCK,
                         "chain": CHAIN, "cases": {}}

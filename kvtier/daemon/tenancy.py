@@ -21,20 +21,11 @@ from __future__ import annotations
 
 import os
 
+from ..pool.keys import SEP, ns_key, split_key  # noqa: F401 (the daemon's names for them)
 from .config import DaemonConfig, admin_gid, parse_tenants
 from .peers import Peer
 
-SEP = "\x1f"  # never in a tenant name (letters, digits, - and _)
 REMOTE = "remote"
-
-
-def ns_key(tenant: str, fingerprint: str) -> str:
-    return f"{tenant}{SEP}{fingerprint}"
-
-
-def split_key(key: str) -> tuple[str, str]:
-    tenant, _, fp = key.partition(SEP)
-    return tenant, fp
 
 
 def identify(peer: Peer | None, config: DaemonConfig) -> tuple[str, bool]:

@@ -38,17 +38,16 @@ from collections import Counter
 from itertools import islice
 
 from ..pool.index import READY
+from ..pool.keys import owner_of, split_key
 from ..protocol import messages as m
 from ..protocol.arrays import pack_ids
 from ..protocol.codec import encode
 from .format import HEADER_BYTES, MAX_NS_KEY
 from .index import DiskEntry, DiskIndex
 from .io import DiskIO
-from .shares import tenant_of
 
 log = logging.getLogger("kvtier.disk")
 FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us each measured
-SEP = "\x1f"  # daemon.tenancy.SEP: a namespace key is "tenant SEP fingerprint"
 
 
 class PendingLoad:
@@ -123,7 +122,7 @@ class DiskBridge:
         size = ns.block_bytes
         n = min(len(entries), max(0, self.queue_bytes - self.queued) // size)
         self.counters["queue_full"] += len(entries) - n
-        victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH, tenant_of(key)) if n else None
+        victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH, owner_of(key)) if n else None
         if victims is None:
             self.counters["write_skipped"] += n
             return
@@ -143,7 +142,7 @@ class DiskBridge:
         self.index.unpin(entries)
         self.queued -= len(entries) * size
         self.writing.difference_update((key, e.key) for e in entries)
-        self.dindex.release(len(entries) * (HEADER_BYTES + size), tenant_of(key))
+        self.dindex.release(len(entries) * (HEADER_BYTES + size), owner_of(key))
         stale = gen != self.generation[key]  # flushed while being written
         unannounced = []
         for i, crc, path in job.ok:
@@ -328,7 +327,7 @@ class DiskBridge:
         io, errors = self.io.snapshot()
         rows, tenants = [], Counter()
         for key, (blocks, nbytes) in sorted(self.dindex.by_namespace().items()):
-            owner, _, fingerprint = key.partition(SEP)
+            owner, fingerprint = split_key(key)
             tenants[owner] += nbytes
             if tenant is None or owner == tenant:
                 rows.append({"fingerprint": fingerprint, "blocks": blocks, "bytes": nbytes,

@@ -10,11 +10,10 @@ Below its share a write makes room by the global age order as before. Files
 found by the start-up scan count against their tenant but are not dropped
 for its share (the global fit runs once all are found).
 
-A namespace key is ``tenant SEP fingerprint`` (``daemon.tenancy``).
+A namespace key is ``tenant SEP fingerprint`` (``pool.keys``).
 
 Primitives (sans-IO; DiskIndex calls them):
   DiskShares(capacity, share)     .on, .limit
-  tenant_of(ns_key) -> str
   added(entry) / removed(entry) / pushed(entry, item) / compact(live)
   make_room(index, tenant, nbytes) -> [victims] | None   before a reservation
   reserved(tenant, nbytes)         +/-: a write queued or ended
@@ -26,12 +25,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 
-SEP = "\x1f"  # daemon.tenancy.SEP
-
-
-def tenant_of(ns_key: str) -> str:
-    tenant, sep, _ = ns_key.partition(SEP)
-    return tenant if sep else ""
+from ..pool.keys import owner_of
 
 
 class DiskShares:
@@ -46,24 +40,24 @@ class DiskShares:
         self._heaps: dict[str, list] = {}   # tenant -> (age, n, entry), stale items included
 
     def added(self, entry) -> None:
-        self.used[tenant_of(entry.ns_key)] += entry.file_bytes
+        self.used[owner_of(entry.ns_key)] += entry.file_bytes
 
     def removed(self, entry) -> None:
-        t = tenant_of(entry.ns_key)
+        t = owner_of(entry.ns_key)
         self.used[t] -= entry.file_bytes
         if not self.used[t]:
             del self.used[t]
 
     def pushed(self, entry, item) -> None:
         if self.on:
-            heapq.heappush(self._heaps.setdefault(tenant_of(entry.ns_key), []), item)
+            heapq.heappush(self._heaps.setdefault(owner_of(entry.ns_key), []), item)
 
     def compact(self, live: list) -> None:
         """The index dropped its stale heap items (``live``: the rest): so do the tenants'."""
         if self.on:
             self._heaps = {}
             for item in live:
-                self._heaps.setdefault(tenant_of(item[2].ns_key), []).append(item)
+                self._heaps.setdefault(owner_of(item[2].ns_key), []).append(item)
             for h in self._heaps.values():
                 heapq.heapify(h)
 
@@ -95,7 +89,7 @@ class DiskShares:
     def problems(self, entries: list) -> list[str]:
         truth: Counter = Counter()
         for e in entries:
-            truth[tenant_of(e.ns_key)] += e.file_bytes
+            truth[owner_of(e.ns_key)] += e.file_bytes
         out = []
         if +truth != +self.used or any(b < 0 for b in self.used.values()):
             out.append(f"tenant bytes {dict(self.used)} != files {dict(truth)}")

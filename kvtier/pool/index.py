@@ -32,7 +32,8 @@ from . import reclaim
 from .allocator import IntegrityError, SlabAllocator
 from .policy import EvictionPolicy, LRUPolicy
 from .prefix import ready_prefix
-from .shares import TenantShares, owner_of
+from .keys import owner_of
+from .shares import TenantShares
 
 WRITING, READY = "writing", "ready"
 MAX_NAMESPACES = 4096
@@ -60,7 +61,7 @@ class Bucket:
     ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries only (lookups)
     stats: Counter = field(default_factory=Counter)
     ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
-    owner: str = ""          # tenant whose share its blocks count against (shares.owner_of)
+    owner: str = ""          # tenant whose share its blocks count against (keys.owner_of)
 
     def ready_blocks(self) -> int:
         return self.ready
@@ -286,13 +287,15 @@ class BlockIndex:
         ``cls`` fit, in one walk over the policy (``reclaim.pick``)."""
         victims = reclaim.pick(self.policy.candidates(), cls, need, self.alloc_, self._slab_victims,
                                self.slab_walk_limit)
-        if not victims:
-            return False
+        return self.evict(victims) > 0
+
+    def evict(self, victims: list[Entry]) -> int:
+        """Drop the entries a walk picked (after it: the policy's walk is lazy), counted as evictions."""
         for v in victims:
             self._drop(v, removed=True)
             v.ns.stats["evicted"] += 1
         self.evictions += len(victims)
-        return True
+        return len(victims)
 
     def _slab_victims(self, slab: int) -> list[Entry] | None:
         victims = []

@@ -10,11 +10,10 @@ a value, as when the pool is full. Below its share a store evicts by global
 LRU as before. ``share`` = 1 keeps the old behaviour and its cost: no
 counter runs, and ``usage`` sums the namespaces (O(namespaces), for stats).
 
-A namespace's owner is the tenant part of its key (``tenant SEP fingerprint``,
-``daemon.tenancy``); a key without SEP belongs to tenant "" (tests, tools).
+A namespace's owner is the tenant part of its key (``pool.keys.owner_of``); a
+key without SEP belongs to tenant "" (tests, tools).
 
 Primitives (no I/O but one rate-limited log line):
-  owner_of(fingerprint) -> str
   TenantShares(allocator, share, policy)   .policy: the policy the index uses
   on                                        share < 1: counters and the split order run
   take(index, ns, wanted) -> [offset]       a store's allocation: room(), alloc, charge
@@ -34,13 +33,7 @@ from . import reclaim
 from .allocator import SlabAllocator
 
 log = logging.getLogger(__name__)
-SEP = "\x1f"  # daemon.tenancy.SEP (the pool does not import the daemon)
 LOG_EVERY_S = 60.0  # one "at its share" line per tenant per minute: a flood logs once
-
-
-def owner_of(fingerprint: str) -> str:
-    tenant, sep, _ = fingerprint.partition(SEP)
-    return tenant if sep else ""
 
 
 class SplitPolicy:
@@ -116,7 +109,7 @@ class TenantShares:
     def charge(self, ns, blocks: int) -> None:
         """``blocks`` (negative: freed) of ``ns``'s class now held by its tenant."""
         if self.on:
-            self.used[ns.owner] += blocks * self.alloc_.classes[ns.cls].stride
+            self.used[ns.owner] += blocks * self.stride(ns)
 
     def take(self, index, ns, wanted: int) -> list[int]:
         offsets = index.alloc_many(ns.cls, self.room(index, ns, wanted))
@@ -153,11 +146,7 @@ class TenantShares:
             return whole if whole and all(v.ns.owner == owner for v in whole) else None
         victims = reclaim.pick(self.policy.own(owner), ns.cls, -(-over // self.stride(ns)), self.alloc_,
                                own_slab, index.slab_walk_limit)
-        for v in victims:  # after the walk: the policy's iterator is lazy
-            index._drop(v, removed=True)
-            v.ns.stats["evicted"] += 1
-        index.evictions += len(victims)
-        self.own_evictions[owner] += len(victims)
+        self.own_evictions[owner] += index.evict(victims)
 
     def usage(self, index) -> dict:
         """Bytes per tenant of its READY + WRITING blocks (tenants holding none left out)."""

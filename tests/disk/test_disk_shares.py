@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvtier.disk.format import HEADER_BYTES
 from kvtier.disk.index import DiskEntry, DiskIndex
-from kvtier.disk.shares import SEP
+from kvtier.pool.keys import SEP
 
 FILE = HEADER_BYTES + 100
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.pool import BlockIndex, SlabAllocator
-from kvtier.pool.shares import SEP
+from kvtier.pool.keys import SEP
 
 from .kit import BLOCK_A, BLOCK_B, SLAB, chain, present, stored
 
