@@ -49,6 +49,12 @@ def worker(daemon, tp: int, rank: int, seed: int | None, ns=HEADS_NS, replicated
     return w, ts
 
 
+def tp1_scheduler(daemon) -> KVTierManager:
+    """The scheduler of a TP=1 engine in the head-sliced layout (it asks for every head)."""
+    return KVTierManager([TierGroup(0, HEADS_NS, LAYERS * HEAD_BYTES, slices=plan(1, 0, HEADS, False, True))],
+                         K, daemon.socket, name="sched")
+
+
 def run(w, job: int, is_load: bool, keys: list[bytes], ids: list[int], first: int = 0):
     if is_load:
         w.submit_load(job, KVTierSpecs(keys), gpu_spec(ids, first))
@@ -115,8 +121,7 @@ def test_the_scheduler_hits_a_chunk_only_when_every_head_slice_is_in_the_pool(da
     misses (it could not load head 1). Once rank 1 stored, it hits."""
     r0, _ = worker(daemon, 2, 0, seed=4)
     r1, _ = worker(daemon, 2, 1, seed=5)
-    sched = KVTierManager([TierGroup(0, HEADS_NS, LAYERS * HEAD_BYTES, slices=plan(1, 0, HEADS, False, True))],
-                          K, daemon.socket, name="sched")
+    sched = tp1_scheduler(daemon)
     okeys = offload_keys(2, salt=2)
     keys = [kvtier_key(k) for k in okeys]
     try:
@@ -160,8 +165,7 @@ def test_a_miss_asks_for_one_key_per_chunk_and_a_hit_still_needs_every_slice(dae
     missing head 1 is still a miss."""
     r0, _ = worker(daemon, 2, 0, seed=8)
     r1, _ = worker(daemon, 2, 1, seed=9)
-    sched = KVTierManager([TierGroup(0, HEADS_NS, LAYERS * HEAD_BYTES, slices=plan(1, 0, HEADS, False, True))],
-                          K, daemon.socket, name="sched")
+    sched = tp1_scheduler(daemon)
     okeys = offload_keys(3, salt=5)
     keys = [kvtier_key(k) for k in okeys]
 
