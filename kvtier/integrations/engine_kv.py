@@ -126,7 +126,9 @@ class EngineKV:
     def _register(self) -> None:
         tensors, block_dims, namespace = self._pending
         self._pending = None
-        self.kv = self._exported if self._exported is not None else self._export(tensors)
+        # CUDA: in place, the engine keeps owning the memory; CPU: the storage moves
+        # into a sealed memfd and every view of it (the engine's layers) follows.
+        self.kv = self._exported if self._exported is not None else export_groups([tensors])[0]
         try:
             self.client.register_kv_cache(self.kv, block_dims, namespace, block_factor=self.block_factor)
         except KVTierError as exc:
@@ -155,12 +157,6 @@ class EngineKV:
         """Why the daemon refused the cache ("" if it did not)."""
         return "" if self.refusal is None else str(self.refusal)
 
-    def _export(self, tensors: list):
-        if self.on_gpu:
-            from ..transfer.cuda import CudaKVCache
-            return CudaKVCache(tensors)  # in place: the engine keeps owning the memory
-        from ..transfer.adopt import adopt_tensors
-        return adopt_tensors(tensors)  # the storage moves: every view of it (the engine's layers) follows
 
     def stream(self):
         """The engine's stream (CUDA), or None for CPU caches."""
