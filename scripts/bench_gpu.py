@@ -65,7 +65,9 @@ class Daemon:
     def __init__(self, method: str, pool_size: str, tmp: str):
         self.socket = os.path.join(tmp, f"bench-{method}.sock")
         self.log = open(os.path.join(tmp, f"daemon-{method}.log"), "w")
-        env = {**os.environ, "PYTHONPATH": REPO, "KVTIER_GPU_COPY": method}
+        # The caller's PYTHONPATH stays: dependencies installed with ``pip --target`` live there.
+        path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "KVTIER_GPU_COPY": method}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.daemon", "--socket", self.socket, "--pool-size", pool_size,
              "--slab-size", "64MiB", "--gpu", "on", "--config", "/dev/null"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -164,6 +166,19 @@ def pinning(gib: int, chunk: int = 1 << 30) -> dict:
             "pin_memory_alloc_s_per_gib": alloc_s / gib}
 
 
+def doc_of(args, rows: list, pin: dict | None) -> dict:
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
+            "iters": args.iters, "pool_size": args.pool_size, "rows": rows, "pinning": pin}
+
+
+def write(path: str, doc: dict) -> None:
+    """Replace ``path`` whole (never a half-written file if the run is killed)."""
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(doc, f, indent=2)
+        os.replace(path + ".tmp", path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--blocks", type=int, default=256, help="blocks per store/load call (2 MiB each)")
@@ -195,12 +210,10 @@ def main(argv=None) -> int:
                 rows[-1]["daemon_measured"] = gpu.get("throughput_gbps", {})
             finally:
                 d.stop()
+            write(args.out, doc_of(args, rows, None))  # a run cut short keeps every finished method
     pin = pinning(args.pin_gib) if args.pin_gib else None
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blocks": args.blocks,
-           "iters": args.iters, "rows": rows, "pinning": pin}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=2)
+    doc = doc_of(args, rows, pin)
+    write(args.out, doc)
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0

@@ -18,6 +18,13 @@ os.environ["KVTIER_CONFIG"] = os.devnull
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def daemon_pythonpath() -> str:
+    """What a daemon subprocess imports from: this checkout first, then whatever
+    the caller's PYTHONPATH names now (a GPU node's dependencies installed with
+    ``pip install --target`` are found only through it)."""
+    return os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -100,7 +107,7 @@ class DaemonProc(DaemonHandle):
         self.log_path = tmp_path / f"daemon-{uuid.uuid4().hex[:6]}.log"
         cmd = [sys.executable, "-m", "kvtier.daemon", "--socket", self.socket,
                "--pool-size", pool_size, "--slab-size", slab_size, *extra]
-        full_env = {**os.environ, "PYTHONPATH": REPO, "KVTIER_REAP_INTERVAL_S": "0.1",
+        full_env = {**os.environ, "PYTHONPATH": daemon_pythonpath(), "KVTIER_REAP_INTERVAL_S": "0.1",
                     **(env or {})}
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)

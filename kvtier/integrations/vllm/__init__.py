@@ -27,7 +27,23 @@ Where each part runs (three processes touch it, each with its own kvtier client)
   per group) and one job split by group (no vLLM import).
 """
 
-from .connector import KVTierConnector
-from .spec import KVTierOffloadingSpec
+# vLLM's two entry points are loaded on first use (PEP 562): vLLM finds them with
+# ``getattr(import_module(path), name)``, which this serves, while importing the
+# vLLM-free submodules (``naming``, ``groups``, ``slices``) never imports vLLM: a
+# GPU node without vLLM still collects and runs the tests that use them.
+_LAZY = {"KVTierConnector": ".connector", "KVTierOffloadingSpec": ".spec"}
 
 __all__ = ["KVTierConnector", "KVTierOffloadingSpec"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+    value = getattr(import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # once: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
