@@ -9,8 +9,9 @@ where the KV lives rather than on which engine owns it:
   handed to the daemon; CUDA tensors are registered in place over CUDA IPC
   (``CudaKVCache``: the daemon maps this device's memory, found by the GPU's
   UUID, so every TP rank registers its own device). A refusal (a daemon
-  without a CUDA data path, a bad layout) leaves the object ``enabled=False``
-  with the daemon's error in ``refusal``: the engine runs as if kvtier were absent.
+  without a CUDA data path, a bad layout, memory PyTorch cannot share over
+  CUDA IPC) leaves the object ``enabled=False`` with the error in
+  ``refusal``: the engine runs as if kvtier were absent.
 * **Fences (CUDA).** A store is fenced by an interprocess event recorded on
   the engine's stream when it is submitted, after the kernels that wrote the
   blocks: the daemon's copy waits for it. A load is fenced the same way (the
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..client import Client, KVTierError, Namespace, TransferHandle, TransferResult
+from ..protocol.errors import ErrorCode
+from ..transfer.specs import CannotShare
 
 log = logging.getLogger("kvtier.engine")
 
@@ -134,6 +137,9 @@ class EngineKV:
         except KVTierError as exc:
             self.refusal = exc
             log.error("kvtier: registration refused (%s); kvtier disabled for this cache", exc)
+        except CannotShare as exc:  # memory PyTorch cannot export: the engine runs on without kvtier
+            self.refusal = KVTierError(ErrorCode.BAD_ARGUMENT, str(exc), "client")
+            log.error("kvtier: %s; kvtier disabled for this cache", exc)
 
     @property
     def registered(self) -> bool:

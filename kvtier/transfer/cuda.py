@@ -6,29 +6,58 @@ offset, block dim and the device UUID. The UUID, not the index, names the
 GPU because worker and daemon may see different ``CUDA_VISIBLE_DEVICES``;
 the daemon maps it to its own index (``mapping.open_cuda_specs``).
 
+Each storage is shared once, however many tensors view it. Every
+``_share_cuda_`` call puts the storage behind a new IPC reference counter
+that the receiver must release; the daemon imports a storage once (by
+handle) and so releases one counter. Per-layer views of one buffer shared
+one by one left the others counting, and PyTorch kept the engine's memory
+(in its IPC "limbo") after the engine freed it.
+
+Memory PyTorch cannot share (expandable segments on older torch, a custom
+allocator's pool) raises ``CannotShare``, a ``ValueError``: the engine runs
+on without kvtier rather than dying of the ``RuntimeError`` underneath.
+
 Nothing here initialises CUDA at import time.
 
-Primitives: ``export_tensor(t, block_dim)``, ``CudaKVCache``.
+Primitives: ``export_specs(tensors, block_dims, uuid, share)``, ``share_storage(t)``,
+``CannotShare``, ``CudaKVCache``.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 
-from .specs import dtype_name, normalize_uuid
+from .specs import CannotShare, dtype_name, normalize_uuid
 
 
-def export_tensor(t: torch.Tensor, block_dim: int) -> dict:
-    """Worker side: the spec that lets the daemon map ``t`` (t stays owned here)."""
-    if t.device.type != "cuda":
-        raise ValueError(f"CudaKVCache needs CUDA tensors, got one on {t.device}")
+def share_storage(t: torch.Tensor) -> dict:
+    """The IPC fields of ``t``'s whole storage (one new reference counter per call)."""
     (_dev, handle, size, offset, ref_handle, ref_offset, event, event_sync) = t.untyped_storage()._share_cuda_()
-    return {"kind": "cuda", "device_uuid": normalize_uuid(torch.cuda.get_device_properties(t.device).uuid),
-            "dtype": dtype_name(t.dtype), "shape": list(t.shape), "stride": list(t.stride()),
-            "storage_offset": t.storage_offset(), "block_dim": block_dim,
-            "ipc": {"handle": bytes(handle), "size": int(size), "offset": int(offset),
-                    "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
-                    "event": bytes(event or b""), "event_sync": bool(event_sync)}}
+    return {"handle": bytes(handle), "size": int(size), "offset": int(offset),
+            "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
+            "event": bytes(event or b""), "event_sync": bool(event_sync)}
+
+
+def export_specs(tensors: Sequence[torch.Tensor], block_dims: Sequence[int], uuid: str,
+                 share: Callable[[torch.Tensor], dict] = share_storage) -> list[dict]:
+    """Worker side: the specs that let the daemon map ``tensors`` (they stay owned
+    here), calling ``share`` once per distinct storage."""
+    shared: dict[int, dict] = {}
+    specs = []
+    for i, (t, block_dim) in enumerate(zip(tensors, block_dims)):
+        key = t.untyped_storage().data_ptr()
+        if key not in shared:
+            try:
+                shared[key] = share(t)
+            except RuntimeError as exc:  # e.g. "expandable segments ... not supported for IPC"
+                raise CannotShare(f"tensor {i}: PyTorch cannot share this memory over CUDA IPC ({exc}); "
+                                  "kvtier needs KV tensors from PyTorch's default CUDA allocator") from exc
+        specs.append({"kind": "cuda", "device_uuid": uuid, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                      "stride": list(t.stride()), "storage_offset": t.storage_offset(),
+                      "block_dim": block_dim, "ipc": shared[key]})
+    return specs
 
 
 class CudaKVCache:
@@ -48,7 +77,9 @@ class CudaKVCache:
         self.device = tensors[0].device
 
     def specs(self, block_dims: list[int]) -> list[dict]:
-        return [export_tensor(t, d) for t, d in zip(self.tensors, block_dims)]
+        """Raises ``CannotShare`` for memory PyTorch cannot export."""
+        uuid = normalize_uuid(torch.cuda.get_device_properties(self.device).uuid)
+        return export_specs(self.tensors, block_dims, uuid)
 
     def close(self) -> None:
         self.tensors = []

@@ -5,7 +5,7 @@ daemon validates and maps them (``mapping.py``). A spec is a msgpack map:
 ``kind`` ("fd": memory handed over as a descriptor, or "cuda"), dtype, shape, stride, the dimension that indexes
 engine blocks, and where the memory is.
 
-Primitives: ``DTYPES``, ``dtype_name``, ``SpecError``, ``NoCudaPath``, ``check_geometry``,
+Primitives: ``DTYPES``, ``dtype_name``, ``SpecError``, ``NoCudaPath``, ``CannotShare``, ``check_geometry``,
 ``extent_bytes``, ``is_int``, ``normalize_uuid``.
 """
 
@@ -31,6 +31,13 @@ class SpecError(ValueError):
 
 class NoCudaPath(SpecError):
     """A valid CUDA spec, sent to a daemon that has no CUDA data path."""
+
+
+class CannotShare(ValueError):
+    """Engine side: PyTorch cannot export this memory over CUDA IPC (expandable
+    segments on older torch, a custom allocator's pool). The engine keeps
+    running without kvtier. Here, not in ``cuda.py``: CPU engines catch it
+    without importing the CUDA modules."""
 
 
 def check_geometry(spec: dict, i: int) -> tuple[torch.dtype, list, list, int]:

@@ -17,6 +17,8 @@ import torch
 
 from kvtier.client import Client, Namespace, block_hashes
 from kvtier.integrations.engine_kv import EngineKV, kv_device
+from kvtier.protocol.errors import ErrorCode
+from kvtier.transfer.cuda import export_specs
 from tests.helpers import until_finished
 
 LAYERS, BLOCKS, PAGE, PAD, K = 3, 24, 4096, 512, 2
@@ -126,6 +128,37 @@ def test_a_cache_the_daemon_refuses_leaves_the_engine_running_with_every_transfe
     finally:
         engine.close()
     assert d.stats()["errors"]["BAD_ARGUMENT"] == 1
+
+
+class UnshareableKV:
+    """KV memory PyTorch refuses to export over CUDA IPC, as ``_share_cuda_`` refuses
+    expandable segments on older torch or a custom allocator's pool (a RuntimeError)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def specs(self, block_dims):
+        def refuse(t):
+            raise RuntimeError("expandable segments are not supported for IPC")
+        return export_specs(self.tensors, block_dims, "GPU-5f0c1a2b-0000-1111-2222-333344445555", share=refuse)
+
+    def close(self):
+        self.tensors = []
+
+
+def test_memory_pytorch_cannot_share_leaves_the_engine_running_without_kvtier(daemon):
+    _, views = engine_caches("cpu", seed=6)
+    engine = EngineKV(views, [0] * LAYERS, Client(daemon.socket, name="unshareable", require_daemon=False), NS,
+                      block_factor=K, kv=UnshareableKV(views))
+    try:
+        assert not engine.enabled and "cannot share this memory over CUDA IPC" in engine.refused
+        assert engine.refusal.code == ErrorCode.BAD_ARGUMENT and engine.refusal.side == "client"
+        keys = block_hashes(list(range(16 * K)), 16 * K)
+        engine.submit(1, True, keys, [0, 1])
+        assert poll(engine, {1})[1].result.failed == (0,)
+    finally:
+        engine.close()
+    assert daemon.stats()["namespaces"] == []  # nothing reached the daemon
 
 
 def test_without_a_daemon_the_engine_starts_at_once_and_its_loads_fail(tmp_path):
