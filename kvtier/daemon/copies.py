@@ -37,7 +37,7 @@ import torch
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from ..transfer.copy import Cancelled
-from ..transfer.fences import FenceGate
+from ..transfer.fences import FenceGate, while_alive
 from ..transfer.worker import CopyWorker
 from .config import DaemonConfig
 from .latency import LatencyHistograms
@@ -120,7 +120,8 @@ class CopyRunner:
             # The worker's event is awaited at the gate, not on a copy thread: a worker
             # that hangs or dies with it unfired holds no copy thread from other clients.
             fence = op.fence
-            self._fences().hold(op, op.client.id, lambda: engine.fence_fired(fence), op.cancelled, gpu_copy)
+            fired = while_alive(lambda: engine.fence_fired(fence), op.client.process_alive, op.cancel)
+            self._fences().hold(op, op.client.id, fired, op.cancelled, gpu_copy)
             return
         copy = self._cpu_copy(op, config, check)
         if op.nbytes <= config.inline_copy_bytes and not config.copy_delay_s:

@@ -18,7 +18,8 @@ Nothing here touches CUDA: ``fired`` is any callable (the daemon passes the
 copy engine's event query).
 
 Primitives: ``FenceGate(release, timeout)`` with ``hold(token, owner, fired,
-cancelled, run)``, ``pending``, ``wait_empty(timeout)``, ``close()``; ``FenceTimeout``.
+cancelled, run)``, ``pending``, ``wait_empty(timeout)``, ``close()``; ``FenceTimeout``;
+``while_alive(fired, alive, cancel)``.
 """
 
 from __future__ import annotations
@@ -124,6 +125,34 @@ class FenceGate:
             self._closing = True
             self._cv.notify_all()
         self._thread.join()
+
+
+def while_alive(fired: Callable[[], bool], alive: Callable[[], bool],
+                cancel: Callable[[str], None]) -> Callable[[], bool]:
+    """``fired``, believed only while the worker that recorded the event lives.
+
+    Once a worker dies, its interprocess event is gone and what a query of the
+    daemon's imported copy says is undefined: an error (the op would end as a
+    copy failure) or a spurious "fired", which would store blocks the worker
+    was still writing. So a fire or an error counts only if the worker was
+    still alive when it was seen (checked right after the query, so a fire
+    seen then happened while it lived); otherwise the op is cancelled, as
+    reaping would cancel it, and the gate releases it with nothing queued.
+    The liveness check (a /proc read) runs only on a fire or an error, not on
+    every poll."""
+    def query() -> bool:
+        try:
+            ok = fired()
+        except Exception:
+            if not alive():
+                cancel("the worker exited with its fence pending")
+                return False
+            raise
+        if ok and not alive():
+            cancel("the worker exited with its fence pending")
+            return False
+        return ok
+    return query
 
 
 def _raising(exc: BaseException) -> Callable[[], None]:

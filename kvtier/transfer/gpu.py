@@ -28,13 +28,15 @@ answering lookups while the GPU works.
 
 Primitives: ``GpuContext(pool, chunk, method)`` with ``engine(layout, device)``,
 ``stats()``, ``close()``; ``CudaCopyEngine.fence_fired(handle)``,
-``CudaCopyEngine.copy(pool, pairs, to_pool, cancelled) -> done event handle``.
+``CudaCopyEngine.copy(pool, pairs, to_pool, cancelled) -> done event handle``;
+``queue_or_drain(queue, drain)``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import torch
 
@@ -49,6 +51,27 @@ log = logging.getLogger("kvtier.gpu")
 METHODS = ("auto", "dma", "kernel")
 MAX_OPEN_EVENTS = 16  # imported worker events kept per registration
 DONE_RING = 32        # "done" events per registration, used round robin
+
+
+def queue_or_drain(queue: Callable[[], None], drain: Callable[[], None]) -> None:
+    """Run ``queue`` (it queues an op's copies on a stream); if it raises part
+    way, ``drain`` the stream before the error goes on.
+
+    A failure on the 20th of 32 copies (out of memory for the kernel path's
+    temporaries, a bad run) leaves the first 19 queued. The op is then
+    reported failed and its pool slots or engine blocks are given back; copies
+    still in flight would land on them after their new owner wrote them. So
+    nothing leaves here while this op's copies may run. If the stream cannot
+    even be synchronised (a sticky CUDA error: the context is lost and runs
+    nothing more), the first error is what the caller sees."""
+    try:
+        queue()
+    except BaseException:
+        try:
+            drain()
+        except Exception as exc:  # the context is gone: nothing of this op can run any more
+            log.error("after a failed copy, its stream could not be synchronised: %s", exc)
+        raise
 
 
 class GpuContext:
@@ -102,12 +125,16 @@ class CudaCopyEngine:
             if cancelled is not None and cancelled.is_set():
                 raise Cancelled("cancelled before the copy was queued")
             slot, done, handle = self._done_event()
-            with torch.cuda.stream(self.stream):
-                if self.runs is None:
-                    self.layout.copy(pool, pairs, to_pool)
-                else:
-                    timing = self._copy_runs(pool, pairs, to_pool)
-                done.record(self.stream)
+
+            def queue():
+                nonlocal timing
+                with torch.cuda.stream(self.stream):
+                    if self.runs is None:
+                        self.layout.copy(pool, pairs, to_pool)
+                    else:
+                        timing = self._copy_runs(pool, pairs, to_pool)
+                    done.record(self.stream)
+            queue_or_drain(queue, self.stream.synchronize)
         done.synchronize()
         if timing is not None:
             key, method, nbytes, start, end = timing

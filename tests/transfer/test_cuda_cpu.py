@@ -19,9 +19,11 @@ from kvtier.client import CudaKVCache, KVTierError, block_hashes
 from kvtier.protocol import messages as m
 from kvtier.protocol.codec import decode, encode
 from kvtier.protocol.errors import ErrorCode
+from kvtier.transfer.cuda import export_specs
+from kvtier.transfer.gpu import queue_or_drain
 from kvtier.transfer.gpu_copy import MethodChooser
 from kvtier.transfer.mapping import check_cuda_spec, device_index, open_cuda_specs, open_specs
-from kvtier.transfer.specs import SpecError, normalize_uuid
+from kvtier.transfer.specs import CannotShare, SpecError, normalize_uuid
 from kvtier.transfer.pinning import DL_CPU, chunk_ranges, dlpack_view
 from kvtier.transfer.worker import CopyWorker
 from tests.conftest import REPO
@@ -108,6 +110,54 @@ def test_one_registration_is_one_gpu():
 def test_cuda_kv_cache_refuses_cpu_tensors():
     with pytest.raises(ValueError, match="CUDA tensors"):
         CudaKVCache([torch.zeros(4, 8)])
+
+
+def test_each_storage_is_shared_once_however_many_layer_views_it_has():
+    """Every ``_share_cuda_`` call adds an IPC reference counter the daemon must
+    release; it imports (and releases) each storage once. Per-layer views of
+    one buffer must therefore share it once, or the engine's memory stays held."""
+    whole, other = torch.zeros(4, 8, 16, dtype=torch.float16), torch.zeros(8, 16, dtype=torch.float16)
+    views = [whole[0], whole[1], whole[3], other]
+    calls = []
+
+    def share(t):
+        calls.append(t.untyped_storage().data_ptr())
+        return {"handle": bytes([len(calls)]) * 64, "size": t.untyped_storage().nbytes(), "offset": 0,
+                "ref_handle": b"/torch_1_2", "ref_offset": len(calls), "event": b"", "event_sync": False}
+    specs = export_specs(views, [0] * 4, UUIDS[0], share=share)
+    assert calls == [whole.untyped_storage().data_ptr(), other.untyped_storage().data_ptr()]
+    assert [s["ipc"]["ref_offset"] for s in specs] == [1, 1, 1, 2]
+    assert [s["storage_offset"] for s in specs] == [0, 8 * 16, 3 * 8 * 16, 0]
+    assert all(check_cuda_spec(s, i) for i, s in enumerate(specs))  # what the daemon validates
+
+
+def test_memory_pytorch_cannot_share_is_a_cannot_share_error_not_a_runtime_error():
+    def refuse(t):
+        raise RuntimeError("expandable segments are not supported for IPC")
+    with pytest.raises(CannotShare, match="tensor 0: PyTorch cannot share this memory") as err:
+        export_specs([torch.zeros(4)], [0], UUIDS[0], share=refuse)
+    assert isinstance(err.value, ValueError)
+
+
+def test_a_copy_that_fails_part_way_waits_for_what_it_queued_before_the_error_goes_on():
+    """The op is reported failed and its slots or engine blocks reused: copies it
+    queued before the failure must have finished by then."""
+    events = []
+
+    def queue():
+        events.append("copies 1..19 queued")
+        raise RuntimeError("CUDA out of memory (copy 20 of 32)")
+    with pytest.raises(RuntimeError, match="copy 20 of 32"):
+        queue_or_drain(queue, lambda: events.append("stream drained"))
+    assert events == ["copies 1..19 queued", "stream drained"]
+
+    def lost():  # a sticky error: the stream cannot even be synchronised
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="copy 20 of 32"):  # the first error is what the caller sees
+        queue_or_drain(queue, lost)
+    events.clear()
+    queue_or_drain(lambda: events.append("all queued"), lambda: events.append("drained"))
+    assert events == ["all queued"]  # a good op is not synchronised here (its done event is)
 
 
 def test_pool_is_pinned_in_chunks_covering_it_exactly():
