@@ -7,7 +7,9 @@
 #     claims (vLLM's CPU build needs transformers < 5.20), kvtier with its test extras;
 #   - .venv-hf: CPU torch and the newest transformers kvtier claims, for the
 #     transformers integration's tests (it cannot live next to vLLM's CPU build).
-# Then runs every test in .venv-test and the transformers tests again in .venv-hf.
+# Then runs every test in .venv-test and the transformers tests again in .venv-hf,
+# and (with no arguments) the GPU acceptance's dry run in .venv-hf, after fetching
+# its wheel folder (.whl/, scripts/gpu_wheels.sh).
 # Arguments go to both pytest runs (e.g. -x, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,4 +39,11 @@ rc=0
 .venv-test/bin/python -m pytest -q -n 3 --dist loadfile "$@" || rc=$?
 echo "again with transformers $TRANSFORMERS_NEWEST (.venv-hf):" >&2
 .venv-hf/bin/python -m pytest -q -n 0 "${HF_TESTS[@]}" "$@" || rc=$?
+if (($# == 0)); then
+    # The GPU acceptance as far as a machine without a GPU can take it, in the venv that
+    # is most like a GPU node (no vLLM, no Redis client): its wheel folder, every step's
+    # command, the imports, and the GPU tests' collection with zero errors.
+    echo "GPU acceptance dry run (.venv-hf):" >&2
+    { bash scripts/gpu_wheels.sh && PYTHON=.venv-hf/bin/python bash scripts/gpu_acceptance.sh --dry-run; } || rc=$?
+fi
 exit "$rc"
