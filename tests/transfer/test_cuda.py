@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvtier.client import Client, CudaKVCache, Namespace, block_hashes
+from tests.conftest import DaemonProc
 from tests.helpers import spawn
 
 pytestmark = pytest.mark.gpu
@@ -56,23 +57,45 @@ def wait_pinned(d, timeout=60.0):
     raise AssertionError("pool still pinning")
 
 
+# Every test's pool is small: the blocks here take tens of MiB, and a GPU node's
+# time is short (each GiB of pool costs prefaulting and cudaHostRegister at start).
+POOL = dict(pool_size="256MiB", slab_size="16MiB")
+
+
 @pytest.fixture
 def gpu_daemon(daemon_factory):
     def start(copy="auto", env=None):
         # A process of its own: CUDA IPC cannot open a handle in the process that exported it.
-        d = daemon_factory(process=True, pool_size="1GiB", slab_size="16MiB", extra=["--gpu", "on"],
+        d = daemon_factory(process=True, **POOL, extra=["--gpu", "on"],
                            env={"KVTIER_GPU_COPY": copy, **(env or {})})
         wait_pinned(d)
         return d
     return start
 
 
+@pytest.fixture(scope="module")
+def method_daemons(tmp_path_factory):
+    """``get(copy)``: one daemon per copy method for the whole layout matrix
+    (15 tests, 3 daemons); each test uses a namespace of its own."""
+    started = {}
+
+    def get(copy):
+        if copy not in started:
+            d = started[copy] = DaemonProc(tmp_path_factory.mktemp(f"gpu-{copy}"), **POOL,
+                                           extra=["--gpu", "on"], env={"KVTIER_GPU_COPY": copy})
+            wait_pinned(d)
+        return started[copy]
+    yield get
+    for d in started.values():
+        d.stop()
+
+
 # ---- layouts and copy methods -------------------------------------------------------------
 
 @pytest.mark.parametrize("copy", ["dma", "kernel", "auto"])
 @pytest.mark.parametrize("name", ["flash_attn", "flashinfer", "mla", "cross_layer", "block_factor"])
-def test_every_layout_round_trips_byte_exactly(gpu_daemon, name, copy):
-    d = gpu_daemon(copy)
+def test_every_layout_round_trips_byte_exactly(method_daemons, name, copy):
+    d = method_daemons(copy)
     tensors, dims, k = layout(name)
     dim = dims[0]
     with d.client(name=f"engine-{name}") as c:
@@ -92,12 +115,13 @@ def test_every_layout_round_trips_byte_exactly(gpu_daemon, name, copy):
                 t.index_fill_(dim, torch.tensor(dst, device="cuda"), 0)
         if k > 1:  # skip on load: the first kvtier block lands without its first sub-block
             dst = list(range(NB - 8 * k + 1, NB))
-            assert c.load(hashes, dst, skip=1).wait_event().ok
+            # Fenced like every load: the index_fill_ above may still be queued on this stream.
+            assert c.load(hashes, dst, skip=1, stream=torch.cuda.current_stream()).wait_event().ok
             for t in tensors:
                 for j, e in enumerate(dst):
                     assert torch.equal(t.select(dim, e), t.select(dim, src[j + 1]))
     s = d.stats()
-    assert s["gpu"]["enabled"] and s["errors"] == {}
+    assert s["gpu"]["enabled"] and s["errors"] == {} and not s["clients"]
     if copy == "kernel":
         assert s["gpu"]["kernel_devices"] == [0], "gather kernels were not usable: DMA ran instead"
     if copy == "auto":
@@ -116,8 +140,9 @@ def test_device_is_found_by_uuid_whatever_the_daemon_sees(gpu_daemon):
     with d.client() as c:
         c.register_kv_cache(CudaKVCache(tensors), dims, ns("uuid"))
         hashes = block_hashes(list(range(32)), 16)
-        assert c.store(hashes, [0, 1]).wait().done == 2
-        assert c.load(hashes, [6, 7]).wait_event().ok
+        stream = torch.cuda.current_stream()  # the tensors' random fill may still be queued on it
+        assert c.store(hashes, [0, 1], stream=stream).wait().done == 2
+        assert c.load(hashes, [6, 7], stream=stream).wait_event().ok
         assert all(torch.equal(t[6:8], t[0:2]) for t in tensors)
 
 
@@ -191,7 +216,7 @@ def engine_loads(socket: str) -> list:
         c.register_kv_cache(CudaKVCache(tensors), [1] * 4, ns("shared"))
         hashes = block_hashes(TOKENS, 16)
         hits = c.lookup(hashes)
-        assert c.load(hashes[:hits], list(range(30, 30 + hits))).wait_event().ok
+        assert c.load(hashes[:hits], list(range(30, 30 + hits)), stream=torch.cuda.current_stream()).wait_event().ok
         torch.cuda.synchronize()
     return [hits, [t[:, 30:30 + hits].cpu().numpy().tobytes() for t in tensors]]
 
@@ -244,3 +269,31 @@ def test_a_killed_workers_gpu_memory_comes_back(gpu_daemon):
     free = torch.cuda.mem_get_info()[0]
     assert free > baseline - (256 << 20), f"{(baseline - free) >> 20} MiB still held after the reap"
     assert d.stats()["totals"]["reaped"] == 1
+
+
+def test_an_engine_gets_its_kv_memory_back_once_the_daemon_let_go(gpu_daemon):
+    """Per-layer views of one buffer (a cross-layer layout, HF's one cache tensor)
+    are shared over CUDA IPC once. PyTorch keeps shared memory (in its IPC
+    "limbo") while any reference counter it handed out is unreleased; the daemon
+    imports the buffer once and releases one. So once the daemon has dropped
+    the registration and the engine frees the buffer, the memory comes back."""
+    d = gpu_daemon()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    buf = torch.ones(4, NB, 1 << 15, device="cuda", dtype=torch.float16)  # 4 layers x 64 blocks x 64 KiB
+    c, kv = d.client(name="views"), CudaKVCache([buf[i] for i in range(4)])
+    c.register_kv_cache(kv, [0] * 4, ns("views"))
+    assert c.store(block_hashes(list(range(16)), 16), [0], stream=torch.cuda.current_stream()).wait().done == 1
+    c.close()
+    deadline = time.monotonic() + 30
+    while d.stats()["clients"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kv.close()  # the engine lets go of its views and then of the buffer
+    del c, kv, buf
+    while time.monotonic() < deadline:
+        torch.cuda.ipc_collect()
+        if torch.cuda.memory_allocated() <= baseline:
+            break
+        time.sleep(0.1)
+    held = torch.cuda.memory_allocated() - baseline
+    assert held <= 0, f"{held >> 20} MiB of the engine's KV still held after the daemon let go"

@@ -26,7 +26,7 @@ from tests.transfer.test_cuda import gpu_daemon  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.gpu
 NB = 16
-LONG_SPIN = 4_000_000_000  # GPU clock cycles: seconds, far longer than another client's copy
+LONG_SPIN = 6_000_000_000  # GPU clock cycles: ~3 s at 2 GHz, far longer than another client's copy
 
 
 def ns(name: str) -> Namespace:
@@ -40,7 +40,9 @@ def other_client_round_trip(d, name: str) -> None:
         keys = block_hashes(list(range(32)), 16)
         assert c.store(keys, [0, 1], stream=torch.cuda.current_stream()).wait(timeout=30).done == 2
         assert c.load(keys, [8, 9], stream=torch.cuda.current_stream()).wait_event().ok
-        torch.cuda.synchronize()
+        # This stream only: ``torch.cuda.synchronize()`` would also wait for a hung
+        # worker's spin on another stream of this process, the very thing under test.
+        torch.cuda.current_stream().synchronize()
         assert torch.equal(kv[8:10], kv[0:2])
 
 
