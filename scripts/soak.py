@@ -20,6 +20,7 @@ not have grown. Exit status 0 only if mismatches, failures and leaks are 0.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -234,7 +235,7 @@ def main(argv=None) -> int:
         "leaks": len(audit["leaked_segments"]),
         "rss_anon_mib": {k: round(v / MiB, 1) for k, v in rss.items()},
         "rss_growth_mib": round((rss["end"] - rss.get("warm", rss["start"])) / MiB, 1),
-        "daemon_exit": rc, "pool_segment_left": os.path.exists(f"/dev/shm/kvtier-pool.{daemon.pid}"),
+        "daemon_exit": rc, "pool_segment_left": bool(glob.glob(f"/dev/shm/kvtier-pool.{daemon.pid}.*")),
         "daemon_log": log, "swept_segments": open(log).read().count("removed stale shared memory segment"),
         "silent_reaps": open(log).read().count("reaped (silent"),  # dead workers must go by pid
     }

@@ -18,6 +18,12 @@ SHAPE = (32, 2, 16, 2, 32)
 LAYERS = 4
 
 
+def pool_segments(pid: int) -> list[str]:
+    """The daemon ``pid``'s pool segment(s) in /dev/shm: ``kvtier-pool.<pid>.<random>``."""
+    import glob
+    return glob.glob(f"/dev/shm/kvtier-pool.{pid}.*")
+
+
 def make_kv(shape=SHAPE, layers=LAYERS, dtype=torch.float16, seed=None):
     from kvtier.client import ShmKVCache
     kv = ShmKVCache([shape] * layers, dtype)

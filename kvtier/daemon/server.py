@@ -26,7 +26,6 @@ clients reaped and the pool unmapped.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import platform
@@ -43,7 +42,7 @@ from ..disk.setup import open_disk
 from ..pool.allocator import SlabAllocator
 from ..pool.index import BlockIndex
 from ..pool.policy import POLICIES
-from ..pool.segment import ShmSegment, cleanup_stale, unlink_segment
+from ..pool.segment import SHM_DIR, SegmentError, ShmSegment, cleanup_stale, unique_name, unlink_segment
 from ..pool.shm_index import seqlock_safe
 from ..pool.sizes import format_size
 from ..pool.swap import SwapTable
@@ -67,7 +66,6 @@ __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
 POOL_PREFIX = "kvtier-pool."
 CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long for copies to stop
-_instances = itertools.count()  # daemons made in this process (a second one needs its own pool name)
 
 
 class Daemon:
@@ -88,8 +86,6 @@ class Daemon:
         if self.warm is None:
             discard_kept(config)
         self._check_ram(config, self.warm.kept_bytes() if self.warm else 0)
-        n = next(_instances)  # a second daemon in one process (tests) needs its own name
-        self.pool_name = f"/{POOL_PREFIX}{os.getpid()}" + (f".{n}" if n else "")
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
         log.info("reserving and prefaulting a %s pool (about a second per GiB) unless one was kept...",
                  format_size(config.pool_size))
@@ -97,7 +93,7 @@ class Daemon:
             self.segment = self.warm.open() if self.warm else None
             if self.segment is None:  # warm_restart off, or its name is held by another user
                 self.warm = None
-                self.segment = ShmSegment(self.pool_name, config.pool_size, create=True, mode=config.shm_mode)
+                self.segment = _new_pool(config)
         except Exception as exc:
             raise StartupError(str(exc)) from None
         self.pool_name = self.segment.name
@@ -378,6 +374,21 @@ class Daemon:
         if getattr(self, "signals", None) is not None:
             self.signals.close()
         log.info("kvtier-daemon stopped")
+
+
+def _new_pool(config: DaemonConfig) -> ShmSegment:
+    """The pool under a name nobody can guess (a pid-derived one was squatted by another
+    user planting a file there first), created exclusively: a name that is somehow taken
+    is logged and another drawn, never opened and never a failed start."""
+    for _ in range(3):
+        name = unique_name(POOL_PREFIX)
+        try:
+            return ShmSegment(name, config.pool_size, create=True, mode=config.shm_mode)
+        except SegmentError as exc:
+            if not os.path.lexists(SHM_DIR + name):
+                raise  # no room: the caller reports it
+            log.warning("pool name %s is taken (%s): drawing another", name, exc)
+    raise StartupError("three random pool names were all taken in /dev/shm")
 
 
 def _sync_poller(poller: zmq.Poller, polled: set[int], fds: list[int]) -> set[int]:

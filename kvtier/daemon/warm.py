@@ -13,8 +13,11 @@ must name the same format version, pool size and slab size. Then every valid
 record becomes a READY block of its namespace (tenant and fingerprint as
 recorded), claimed at its offset: no copy, no prefault (the mapping faults
 pages in as they are read). Anything else - a setting changed, a segment
-of another user or mode, a damaged header - starts cold: one log line says
-why, the old segments are unlinked and new ones made.
+of another user or mode, a damaged header, a symlink or anything else planted
+at either name - starts cold: one log line says why, the old segments are
+unlinked and new ones made. A name the daemon cannot unlink (another user's,
+when the daemon is not root: /dev/shm is sticky) means no warm restart this
+run (a pool with an unguessable name instead), never a failed start.
 
 Verification: each record carries the crc32 of its block taken when its
 store's copy finished; an adopted block is checked at its first load, on
@@ -88,7 +91,7 @@ class WarmPool:
 
     def open(self) -> ShmSegment | None:
         """The pool segment: the kept one when it fits these settings, else a new one;
-        None when the kept name is blocked (the daemon makes a pid-named pool instead)."""
+        None when a kept name is blocked (the daemon makes a pool of an unguessable name instead)."""
         t0 = time.monotonic()
         why = self._open_kept()
         if not why:
@@ -103,20 +106,20 @@ class WarmPool:
         size = self.config.pool_size
         try:
             self.segment = ShmSegment(self.pool_name, size, create=True, mode=self.config.shm_mode)
-        except SegmentError as exc:
-            if not os.path.lexists(SHM_DIR + self.pool_name):
+            self.jsegment = ShmSegment(self.journal_name, journal_bytes(size), create=True,
+                                       mode=self.config.shm_mode)
+        except Exception as exc:
+            if self.segment is not None:
+                self.segment.close(unlink=True)
+                self.segment = None
+            if not isinstance(exc, SegmentError) or not any(
+                    os.path.lexists(SHM_DIR + n) for n in (self.pool_name, self.journal_name)):
                 raise  # no room: the caller reports it
-            # The name is held by a segment we cannot remove (another user's, in the sticky
-            # /dev/shm): run without warm restart rather than not at all.
+            # A name is held by something we cannot remove (another user's file or link, in
+            # the sticky /dev/shm): run without warm restart rather than not at all.
             self.reason += f"; {exc}: running without warm restart"
             log.error("warm restart: %s", self.reason)
             return None
-        try:
-            self.jsegment = ShmSegment(self.journal_name, journal_bytes(size), create=True,
-                                       mode=self.config.shm_mode)
-        except Exception:
-            self.segment.close(unlink=True)
-            raise
         self.journal = Journal.create(self.jsegment.buffer, size, self.config.slab_size)  # header last
         return self.segment
 

@@ -12,7 +12,13 @@ Design notes (measured on the dev machine):
     before ``close()``; closing under a live tensor would segfault the next
     write, so ``close`` refuses (BufferError) instead.
   * crashed processes leak named segments; names embed the creator pid so a
-    new daemon can unlink the ones whose creator is dead.
+    new daemon can unlink the ones whose creator is dead, and a random part
+    (``unique_name``) so that nobody can plant a file at a name before we make
+    it: pids are predictable (``ns_last_pid`` is world-readable) and /dev/shm
+    is writable by every user.
+  * every failure to open a name (a planted symlink gives ELOOP, shm_open
+    never follows one) is a ``SegmentError``: callers decide to start cold,
+    never crash on an OSError they did not expect.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 
 import posix_ipc
 import psutil
@@ -52,7 +59,8 @@ class ShmSegment:
                 shm = posix_ipc.SharedMemory(self.name, posix_ipc.O_CREX, mode=mode, size=0)
             else:
                 shm = posix_ipc.SharedMemory(self.name)
-        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError) as exc:
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError, OSError) as exc:
+            # OSError: ELOOP for a symlink at the name (shm_open opens with O_NOFOLLOW), ...
             raise SegmentError(f"shared memory {self.name}: {exc}") from None
         try:
             if create:
@@ -129,6 +137,12 @@ def _checked(name: str) -> str:
     if "\x00" in name:
         raise SegmentError(f"shared memory name {name!r} contains a NUL byte")
     return name if name.startswith("/") else "/" + name
+
+
+def unique_name(prefix: str) -> str:
+    """``/<prefix><pid>.<64 random bits>``: the pid for ``cleanup_stale``, the
+    random part so that the name cannot be guessed (and squatted) in advance."""
+    return f"/{prefix}{os.getpid()}.{secrets.token_hex(8)}"
 
 
 def unlink_segment(name: str) -> bool:

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.client import Client, KVTierError
 from kvtier.protocol import ErrorCode
-from tests.helpers import NS, make_kv
+from tests.helpers import NS, make_kv, pool_segments
 
 
 def test_socket_and_pool_are_owner_group_only(daemon_factory):
@@ -18,7 +18,8 @@ def test_socket_and_pool_are_owner_group_only(daemon_factory):
     d = daemon_factory(process=True, env={"KVTIER_SOCKET_GROUP": group})
     st = os.stat(d.socket)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
-    pool = os.stat(f"/dev/shm/kvtier-pool.{d.proc.pid}")
+    (path,) = pool_segments(d.proc.pid)
+    pool = os.stat(path)
     assert stat.S_IMODE(pool.st_mode) == 0o600
     fd_sock = os.stat(d.socket + ".fd")  # the hand-over socket: same audience as the ZeroMQ one
     assert stat.S_IMODE(fd_sock.st_mode) == 0o660 and fd_sock.st_gid == os.getgid()
@@ -75,7 +76,7 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block(daemon_factory):
         assert c.load(hashes, [4, 5, 6, 7]).wait().ok  # intact data verifies
         # Corrupt one byte of block 2 inside the daemon's pool (bit rot, a stray write).
         needle = kv.tensors[0][2].numpy().tobytes()[:64]
-        fd = os.open(f"/dev/shm/kvtier-pool.{d.proc.pid}", os.O_RDWR)
+        fd = os.open(pool_segments(d.proc.pid)[0], os.O_RDWR)
         try:
             with mmap.mmap(fd, 0) as pool:
                 at = pool.find(needle)

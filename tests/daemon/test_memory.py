@@ -17,7 +17,7 @@ import psutil
 
 from kvtier.client import Client
 from tests.conftest import REPO
-from tests.helpers import NS, make_kv
+from tests.helpers import NS, make_kv, pool_segments
 
 MiB = 2**20
 GROWTH_LIMIT = 2 * MiB  # measured: +0.3 MiB once, then flat for 10k cycles
@@ -79,7 +79,7 @@ def start_refused(tmp_path, pool_size: str, *flags: str) -> tuple[int, str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=120)
     # Refused before the pool was reserved: no segment under its pid, no socket.
-    assert not os.path.exists(f"/dev/shm/kvtier-pool.{proc.pid}")
+    assert not pool_segments(proc.pid)
     assert not os.path.exists(sock)
     return proc.returncode, err
 

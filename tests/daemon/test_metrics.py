@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.client import block_hashes
 from kvtier.daemon.latency import LatencyHistograms
 from tests.conftest import REPO
-from tests.helpers import NS, make_kv
+from tests.helpers import NS, make_kv, pool_segments
 
 BLOCK = 16 * 1024  # tests.helpers geometry: 16 KiB per block across all layers
 
@@ -113,7 +113,7 @@ def test_metrics_port_in_use_fails_startup_cleanly(tmp_path):
     assert proc.returncode == 1
     assert f"metrics 127.0.0.1:{port}" in stderr
     # The half-started daemon unmapped its pool and removed its socket.
-    assert not os.path.exists(f"/dev/shm/kvtier-pool.{proc.pid}")
+    assert not pool_segments(proc.pid)
     assert not os.path.exists(sock)
 
 

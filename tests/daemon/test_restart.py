@@ -9,7 +9,7 @@ import time
 import torch
 
 from tests.daemon.test_reaping import wait_for
-from tests.helpers import NS, make_kv
+from tests.helpers import NS, make_kv, pool_segments
 
 
 def test_clients_survive_a_daemon_kill_and_reconnect(daemon_factory):
@@ -24,7 +24,7 @@ def test_clients_survive_a_daemon_kill_and_reconnect(daemon_factory):
         pending = c.load(hashes, list(range(16, 32)))  # may or may not finish before the kill
 
         # SIGKILL: no drain, no cleanup. The pool segment is left behind.
-        pool_segment = f"/dev/shm/kvtier-pool.{first.proc.pid}"
+        (pool_segment,) = pool_segments(first.proc.pid)
         first.stop(signal.SIGKILL)
         assert os.path.exists(pool_segment)
         killed = time.monotonic()
