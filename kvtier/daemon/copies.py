@@ -14,12 +14,13 @@ reports every block failed. Its reply is ``CANCELLED``; the client keeps the
 blocks held until that reply (or until the daemon process is gone).
 
 Bounds: one Unix user (all its connections together) has at most
-``max_transfers_per_user`` transfers and ``max_pieces_in_flight_per_user``
+``max_transfers_per_user`` transfers (copies, and loads waiting for disk
+reads: the caller passes those to ``admit``) and ``max_pieces_in_flight_per_user``
 copy pieces in flight; more are refused with ``OVER_LIMIT`` before their
 copy is queued (what a queued op holds - its pairs, pins, reserved slots -
 is what used to grow the daemon without bound).
 
-Primitives: ``CopyRunner.admit(client)``, ``.over_limit(op)``, ``.start(op)``,
+Primitives: ``CopyRunner.admit(client, waiting)``, ``.over_limit(op)``, ``.start(op)``,
 ``.cancel_all(why)`` (one op: ``op.cancel(why)``), ``.finish_completed()``,
 ``.pending``, ``.user_load(uid)``, ``.drain(timeout)``, ``.close()``.
 """
@@ -78,11 +79,12 @@ class CopyRunner:
         return tuple(self._by_user.get(uid, (0, 0)))
 
     # ---- admission ---------------------------------------------------------------------
-    def admit(self, client: ClientState) -> None:
+    def admit(self, client: ClientState, waiting: int = 0) -> None:
         """Refuse a new transfer before anything is reserved for it when the
-        client's user has ``max_transfers_per_user`` in flight."""
+        client's user has ``max_transfers_per_user`` in flight (``waiting``: its
+        transfers held elsewhere, loads waiting for a lower tier's reads)."""
         cap = self.settings().max_transfers_per_user
-        if self.user_load(client.uid)[0] >= cap:
+        if self.user_load(client.uid)[0] + waiting >= cap:
             raise DaemonError(ErrorCode.OVER_LIMIT, f"{cap} transfers of this user are in flight "
                               "(max_transfers_per_user); wait for some to finish")
 

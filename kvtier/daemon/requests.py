@@ -92,12 +92,12 @@ class RequestHandlers:
 
     def store(self, client: ClientState, msg: m.Store, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
-        self.copies.admit(client)
+        self._admit(client)
         return self._run(StoreOp.prepare(self.index, client, reg, req_id, msg))
 
     def load(self, client: ClientState, msg: m.Load, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
-        self.copies.admit(client)
+        self._admit(client)
         if (self.disk is not None or self.remote is not None and not msg.prefix) and \
                 self.tier_fetch(reg, msg, identity, req_id):
             return None  # the load runs again here once the blocks read or fetched are in the pool
@@ -107,19 +107,25 @@ class RequestHandlers:
         """Blocks the pool lacks come from the disk tier first, then the remote tier."""
         keys = check_keys(msg.hashes)
         LoadOp.check(reg, msg, keys)  # a bad request is refused before anything is read or fetched
-        if self.disk is not None and self.disk.load(identity, req_id, msg, reg.ns, keys):  # disk tier hook
+        if self.disk is not None and self.disk.load(identity, req_id, msg, reg.ns, keys,
+                                                    reg.client.uid):  # disk tier hook
             return True
         return self.remote is not None and not msg.prefix and self.remote.load(identity, req_id, msg, reg.ns, keys)
 
     def offload(self, client: ClientState, msg: m.Offload, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
-        self.copies.admit(client)
+        self._admit(client)
         return self._run(OffloadOp.prepare(self.swap, client, reg, req_id, msg))
 
     def restore(self, client: ClientState, msg: m.Restore, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
-        self.copies.admit(client)
+        self._admit(client)
         return self._run(RestoreOp.prepare(self.swap, client, reg, req_id, msg))
+
+    def _admit(self, client: ClientState) -> None:
+        """``max_transfers_per_user`` counts every transfer the user has in the daemon:
+        copies running or queued, and loads waiting for disk reads."""
+        self.copies.admit(client, self.disk.waiting(client.uid) if self.disk is not None else 0)
 
     def _run(self, prepared):
         """An op starts its copy (reply later); a reply means nothing to copy."""

@@ -51,12 +51,13 @@ FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us 
 
 
 class PendingLoad:
-    """A load waiting for disk reads: its own, and reads other loads started for blocks it needs."""
-    __slots__ = ("identity", "req_id", "msg", "present", "count", "waits", "answered", "cancelled")
+    """A load waiting for disk reads: its own, and reads other loads started for blocks it needs.
+    It counts toward its user's ``max_transfers_per_user`` until answered (``DiskBridge.waiting``)."""
+    __slots__ = ("identity", "req_id", "msg", "present", "count", "waits", "uid", "answered", "cancelled")
 
-    def __init__(self, identity, req_id, msg, present, count, waits):
+    def __init__(self, identity, req_id, msg, present, count, waits, uid):
         self.identity, self.req_id, self.msg = identity, req_id, msg
-        self.present, self.count, self.waits = present, count, waits
+        self.present, self.count, self.waits, self.uid = present, count, waits, uid
         self.answered = self.cancelled = False
 
 
@@ -76,6 +77,7 @@ class DiskBridge:
         self.loads: dict = {}           # read job -> [PendingLoad waiting for it]
         self.reading: dict = {}         # (ns key, block key) -> the read job bringing it into the pool
         self.by_request: dict = {}      # (identity, request id) -> PendingLoad
+        self.by_user: Counter = Counter()  # uid -> its loads waiting (admission counts them)
         self.local_only: set = set()    # (identity, request id) of loads being re-run after the reads
         self.scanning = True
         self.scan_started = time.monotonic()
@@ -175,7 +177,8 @@ class DiskBridge:
         self.io.unlink([v.path for v in victims])
 
     # ---- loads ---------------------------------------------------------------------------------
-    def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes]) -> bool:
+    def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes], uid=None) -> bool:
+        """``uid``: the requesting user, whose transfer cap a waiting load counts toward."""
         if (identity, req_id) in self.local_only:
             return False
         fp = ns.fingerprint
@@ -186,7 +189,13 @@ class DiskBridge:
         wanted, waits = [], set()  # to read; reads in flight for other loads that this one waits for
         for k in (keys if msg.prefix else dict.fromkeys(keys)):
             job = reading.get((fp, k))
-            if job is not None:
+            if job is not None and job.expired:
+                # Its read is stuck past the deadline (set by the clock thread; a read of a bool):
+                # waiting on it would hold this load until the disk answers, not disk_timeout_s.
+                self.counters["fail_fast"] += 1
+                if msg.prefix:
+                    break
+            elif job is not None:
                 waits.add(job)
             elif k in on_disk and k not in entries:
                 wanted.append(k)
@@ -209,11 +218,16 @@ class DiskBridge:
         if not waits:
             self.index.unpin(present)
             return False
-        p = PendingLoad(identity, req_id, msg, present, len(keys), waits)
+        p = PendingLoad(identity, req_id, msg, present, len(keys), waits, uid)
         for job in waits:
             self.loads[job].append(p)
         self.by_request[(identity, req_id)] = p
+        self.by_user[uid] += 1
         return True
+
+    def waiting(self, uid) -> int:
+        """Loads of ``uid`` waiting for disk reads: transfers in flight like its copies."""
+        return self.by_user.get(uid, 0)
 
     def _read_into_pool(self, ns, on_disk: dict, wanted: list):
         """Slots for ``wanted`` (invisible until read and verified) and the job reading them, or None."""
@@ -244,6 +258,9 @@ class DiskBridge:
             return
         p.answered = True
         self.by_request.pop((p.identity, p.req_id), None)
+        self.by_user[p.uid] -= 1  # before the re-run below is admitted: it takes this load's place
+        if not self.by_user[p.uid]:
+            del self.by_user[p.uid]
         self.index.unpin(p.present)
         if p.cancelled:  # the engine may reuse its blocks already: copy nothing into them
             self.send(p.identity, p.req_id, m.TransferDone(0, 0, pack_ids(range(p.count))))
