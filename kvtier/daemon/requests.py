@@ -173,18 +173,28 @@ class RequestHandlers:
 
     def flush(self, client: ClientState, msg: m.Flush, identity, req_id):
         """A tenant flushes its own namespaces; an admin any (every tenant's
-        namespace with that fingerprint, or everything)."""
+        namespace with that fingerprint, or everything). A flush removes what it
+        names from every tier: namespaces only on disk (a restart leaves those)
+        included; a block in RAM and on disk counts once."""
         if len(msg.namespace) > 1024:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "namespace fingerprint must be 0..1024 chars")
-        targets = [ns for key, ns in self.index.namespaces.items()
-                   if (client.admin or split_key(key)[0] == client.tenant)
-                   and (not msg.namespace or split_key(key)[1] == msg.namespace)]
-        if msg.namespace and not targets:
+
+        def named(key: str) -> bool:
+            tenant, fingerprint = split_key(key)
+            return (client.admin or tenant == client.tenant) and (not msg.namespace or fingerprint == msg.namespace)
+        targets = [ns for key, ns in self.index.namespaces.items() if named(key)]
+        on_disk = [key for key in self.disk.namespace_keys() if named(key)] if self.disk is not None else []
+        if msg.namespace and not targets and not on_disk:
             raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"no namespace {msg.namespace[:64]!r}")
+        removed = 0
+        if on_disk:
+            in_ram = self.index.namespaces
+            removed = sum(1 for v in self.disk.flush_keys(on_disk)
+                          if v.ns_key not in in_ram or v.key not in in_ram[v.ns_key].entries)
         if not msg.namespace and client.admin:
-            removed = self.index.flush(None)
+            removed += self.index.flush(None)
         else:
-            removed = sum(self.index.flush(ns) for ns in targets)
+            removed += sum(self.index.flush(ns) for ns in targets)
         log.info("client %d (tenant %s) flushed %s: %d blocks removed", client.id, client.tenant,
                  msg.namespace[:64] or "(all)", removed)
         return m.Flushed(removed)

@@ -9,6 +9,7 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
   extend(ns, keys, n)  BlockIndex.lookup's lower tier: how far the chain goes on
                        counting disk blocks (dict lookups, never the disk)
   flushed(ns | None)   BlockIndex.flush's lower tier: a flush empties the disk too
+  flush_keys(keys)     a flush of namespaces that may be on disk only (after a restart)
   load(...) -> bool    the load names disk blocks the pool lacks: allocate them
                        (invisible, like a store in progress), read and verify them
                        on the I/O threads, commit the good ones, then run the load
@@ -104,10 +105,21 @@ class DiskBridge:
         return n
 
     def flushed(self, ns) -> None:
-        keys = None if ns is None else [ns.fingerprint]
-        for k in keys or list(self.dindex.namespaces):
+        self.flush_keys(None if ns is None else [ns.fingerprint])
+
+    def flush_keys(self, keys: list[str] | None) -> list:
+        """Drop these namespaces' blocks (None: all), also those with no bucket in RAM (found
+        by the scan after a restart); the entries dropped. A write or read of them that
+        finishes later is dropped too (its generation is stale)."""
+        for k in list(self.dindex.namespaces) if keys is None else keys:
             self.generation[k] += 1
-        self._unlink(self.dindex.drop(keys))
+        victims = self.dindex.drop(keys)
+        self._unlink(victims)
+        return victims
+
+    def namespace_keys(self) -> list[str]:
+        """Namespaces with blocks on disk (tenant SEP fingerprint), in RAM or not."""
+        return list(self.dindex.namespaces)
 
     # ---- write-behind ------------------------------------------------------------------------
     def committed(self, plan) -> None:
@@ -341,7 +353,7 @@ class DiskBridge:
     # ---- status ---------------------------------------------------------------------------------
     def stats(self, tenant: str | None = None) -> dict:
         """The ``disk`` section; ``tenant``: only that tenant's namespaces (None: all)."""
-        io, errors = self.io.snapshot()
+        io, errors = self.io.snapshot(tenant)  # a tenant's view names its own files only
         rows, tenants = [], Counter()
         for key, (blocks, nbytes) in sorted(self.dindex.by_namespace().items()):
             owner, fingerprint = split_key(key)

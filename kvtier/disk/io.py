@@ -38,6 +38,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..pool.keys import owner_of
 from ..waker import Inbox
 from .files import (ALIGN, OPEN_READ, buffer_address, check_file, direct_io_works, quiet_unlink, read_all, scan,
                     write_all)
@@ -46,6 +47,7 @@ from .format import HEADER_BYTES, TMP_DIR, block_name, decode_header, encode_hea
 log = logging.getLogger("kvtier.disk")
 OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 ERRNO_COUNTER = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "eio"}
+MAX_TENANT_ERRORS = 256  # (tenant, counter) messages kept: a tenant per uid at most, a few counters each
 
 
 @dataclass(eq=False)
@@ -77,6 +79,9 @@ class DiskIO:
         self.lock = threading.Lock()
         self.counters: Counter = Counter()   # guarded by the lock
         self.errors: dict[str, str] = {}     # counter -> last message (guarded by the lock)
+        # (tenant, counter) -> that tenant's last message: a message names a file, which names a
+        # tenant's namespace and block hash, so a tenant is shown its own only (guarded by the lock)
+        self.tenant_errors: dict[tuple[str, str], str] = {}
         self._cv = threading.Condition(self.lock)
         self._reads: deque = deque()
         self._writes: deque = deque()
@@ -137,9 +142,13 @@ class DiskIO:
             return any(j.expired or now - j.started > timeout for j in self._running) or bool(
                 self._reads and self._reads[0].deadline < now)
 
-    def snapshot(self) -> tuple[dict, dict]:
+    def snapshot(self, tenant: str | None = None) -> tuple[dict, dict]:
+        """Counters and the last error message per counter: every one (None: the operator),
+        or only those about ``tenant``'s own files."""
         with self.lock:
-            return dict(self.counters), dict(self.errors)
+            if tenant is None:
+                return dict(self.counters), dict(self.errors)
+            return dict(self.counters), {c: msg for (t, c), msg in self.tenant_errors.items() if t == tenant}
 
     def close(self) -> None:
         with self._cv:
@@ -206,17 +215,23 @@ class DiskIO:
             if last and job.kind != "unlink":
                 self._done.put(("done", job))
 
-    def _note(self, counter: str, message: str) -> None:
+    def _note(self, counter: str, message: str, ns_key: str = "") -> None:
         with self.lock:
             first = counter not in self.errors
             self.errors[counter] = message
+            if ns_key:  # about a tenant's file: that tenant may see it
+                mine = (owner_of(ns_key), counter)
+                self.tenant_errors.pop(mine, None)  # re-inserted last: the oldest go first
+                self.tenant_errors[mine] = message
+                if len(self.tenant_errors) > MAX_TENANT_ERRORS:
+                    del self.tenant_errors[next(iter(self.tenant_errors))]
         if first:  # once per kind: a full disk fails every write, the log says it once
             log.error("disk tier %s: %s", counter, message)
 
-    def _os_error(self, tally: Counter, what: str, exc: OSError) -> None:
+    def _os_error(self, tally: Counter, what: str, exc: OSError, ns_key: str) -> None:
         name = ERRNO_COUNTER.get(exc.errno, "errors")
         tally[name] += 1
-        self._note(name, f"{what}: {exc}")
+        self._note(name, f"{what}: {exc}", ns_key)
 
     def _write_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         ns_key, key, seq, off = job.items[i]
@@ -243,7 +258,7 @@ class DiskIO:
                 os.rename(tmp, final)
         except OSError as exc:
             job.failed.append(i)
-            self._os_error(tally, f"writing {final}", exc)
+            self._os_error(tally, f"writing {final}", exc, ns_key)
             quiet_unlink(tmp)
             return
         finally:
@@ -265,7 +280,7 @@ class DiskIO:
             job.bad.append(i)  # gone or unreadable: the index must forget it
             tally["missing" if exc.errno == errno.ENOENT else "read_errors"] += 1
             if exc.errno != errno.ENOENT:
-                self._os_error(tally, f"opening {entry.path}", exc)
+                self._os_error(tally, f"opening {entry.path}", exc, entry.ns_key)
             return
         try:
             why = check_file(os.fstat(fd), self.uid, job.size)
@@ -277,7 +292,7 @@ class DiskIO:
         except OSError as exc:
             job.failed.append(i)
             job.bad.append(i)
-            self._os_error(tally, f"reading {entry.path}", exc)
+            self._os_error(tally, f"reading {entry.path}", exc, entry.ns_key)
             tally["read_errors"] += 1
             return
         finally:
