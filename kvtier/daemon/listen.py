@@ -4,7 +4,7 @@ the ROUTER clients connect to, and the optional event PUB socket.
 Primitives: ``take_socket_lock(path) -> fd | None``, ``check_socket_dir``,
 ``remove_our_socket``, ``Listener(config)`` with ``.router``, ``.pub``,
 ``.handover`` (descriptor hand-over, None for URL endpoints),
-``.send(identity, req_id, msg)``, ``.close()``.
+``.send(identity, req_id, msg)``, ``.publish(frames) -> bool``, ``.close()``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ HANDOVER_SUFFIX = ".fd"  # the hand-over socket lives next to the ZeroMQ socket
 
 log = logging.getLogger("kvtier.daemon")
 FINAL_REPLY_LINGER_MS = 1000  # at exit, give queued final replies this long to leave
+# Per event subscriber: messages the daemon holds for it (each at most MAX_EVENTS_PER_MESSAGE
+# events, ~15 KiB) before it drops - and counts - new ones. 256 x 15 KiB: ~4 MiB per subscriber.
+EVENTS_HWM = 256
 
 
 class StartupError(RuntimeError):
@@ -136,6 +139,11 @@ class Listener:
         if config.events:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
+            # A subscriber that never reads must not grow the daemon: at most EVENTS_HWM messages
+            # wait for it; past that a send fails (NODROP: a plain PUB would drop silently, and
+            # what was dropped could not be counted) and the daemon counts the drop.
+            self.pub.setsockopt(zmq.SNDHWM, EVENTS_HWM)
+            self.pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._bind_events(config)
 
     def _bind_events(self, config: DaemonConfig) -> None:
@@ -160,6 +168,15 @@ class Listener:
             self.router.send_multipart([identity, encode(reply, req_id)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("reply dropped: %s", exc)
+
+    def publish(self, frames: list[bytes]) -> bool:
+        """One event message, never blocking; False when a subscriber's queue is full
+        (the message went to no one: with NODROP a send is all or nothing)."""
+        try:
+            self.pub.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
 
     def close(self) -> None:
         if self.handover is not None:

@@ -107,6 +107,17 @@ class SnapshotCollector:
         yield from self._remote(s.get("remote", {}))  # remote tier hook
         yield from self._disk(s.get("disk", {}))  # disk tier hook
         yield from self._tenants(s.get("tenants", {}))
+        yield from self._events(s.get("events", {}))
+
+    @staticmethod
+    def _events(e):
+        if not e.get("enabled"):
+            return
+        yield CounterMetricFamily("kvtier_events_published", "Block events sent on the event socket.",
+                                  value=e["published"])
+        yield CounterMetricFamily("kvtier_events_dropped", "Block events not sent: a subscriber was "
+                                  "EVENTS_HWM messages behind (its messages are never queued beyond that).",
+                                  value=e["dropped"])
 
     @staticmethod
     def _pool(s):

@@ -26,6 +26,7 @@ class StatsSource(Protocol):
     disk: object
     lookup_indexes: object
     warm: object
+    listener: object
     config: object
     counters: dict
     errors: dict
@@ -88,6 +89,9 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "tenants": _tenant_stats(d.index, None if everything else viewer.tenant),
         "lookup_index": _mirror_stats(d.lookup_indexes),
         "warm_restart": d.warm.stats() if d.warm is not None else {"enabled": False},
+        "events": {"enabled": d.listener.pub is not None, "published": d.counters["events_published"],
+                   "dropped": d.counters["events_dropped"],
+                   "dropped_messages": d.counters["event_messages_dropped"]},
     }
 
 
