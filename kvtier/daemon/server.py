@@ -124,6 +124,7 @@ class Daemon:
         self.guard.on_closed = self.sessions.hung_up
         if self.warm is not None:  # the kept blocks become READY before the first request
             self.warm.adopt(self.index, self.copies.crcs if config.checksums else None)
+            self.warm.journal.cap_tenants(config.tenant_share)  # its records, like its slabs
             self.index.journal = self.copies.journal = self.warm
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
         self.dispatcher = Dispatcher(lambda: self.config, self.listener, self.sessions, self.handlers,

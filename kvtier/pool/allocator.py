@@ -8,12 +8,18 @@ the slab it used last: blocks allocated together sit at ascending adjacent
 offsets even after frees, so the copy routine moves them as one run (LIFO
 slots came back in descending order after frees and never merged).
 
+A size class may belong to one owner (``add_class(block_bytes, owner)``, the
+index does so when per-tenant shares are on): its slabs then hold that
+owner's blocks only, and ``owner_slabs`` counts the slabs each owner's classes
+occupy - what its blocks really take of the pool, however few and small.
+
 Waste reported = unassigned tail of the pool + per assigned slab the space
 that does not fit a whole slot + per used slot the stride rounding.
 
-Primitives: ``add_class(block_bytes) -> cls``, ``alloc(cls) -> offset | None``,
+Primitives: ``add_class(block_bytes, owner="") -> cls``, ``alloc(cls) -> offset | None``,
 ``alloc_many(cls, n) -> [offset]`` (ascending runs, fewer when full), ``free(offset)``, ``slab_of(offset)``, ``used_offsets(slab)``,
-``claim([(cls, offset)]) -> [bool]`` (warm restart: take exactly these slots), ``check_integrity()``.
+``claim([(cls, offset)]) -> [bool]`` (warm restart: take exactly these slots), ``owner_slabs``,
+``check_integrity()``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class SizeClass:
     current: int = -1        # the slab allocated from last: filled before another is picked
     slabs: int = 0
     used: int = 0
+    owner: str = ""          # whose blocks its slabs hold ("" = anyone's: shares off)
 
 
 @dataclass
@@ -58,20 +65,29 @@ class SlabAllocator:
         self.slabs = [Slab() for _ in range(capacity // slab_bytes)]
         self.free_slabs = list(range(len(self.slabs) - 1, -1, -1))
         self.classes: list[SizeClass] = []
-        self._by_size: dict[int, int] = {}
+        self._by_size: dict[tuple[int, str], int] = {}
+        self.owner_slabs: dict[str, int] = {}  # owner -> slabs its classes hold (updated per slab)
 
-    def add_class(self, block_bytes: int) -> int:
+    def add_class(self, block_bytes: int, owner: str = "") -> int:
         if block_bytes <= 0:
             raise ValueError("block size must be positive")
         if block_bytes > self.slab_bytes:
             raise ValueError(f"block of {block_bytes} bytes exceeds the slab size "
                              f"({self.slab_bytes}); raise slab_bytes")
-        if block_bytes in self._by_size:
-            return self._by_size[block_bytes]
+        got = self._by_size.get((block_bytes, owner))
+        if got is not None:
+            return got
         stride = -(-block_bytes // ALIGN) * ALIGN
-        self.classes.append(SizeClass(block_bytes, stride, self.slab_bytes // stride))
-        self._by_size[block_bytes] = len(self.classes) - 1
+        self.classes.append(SizeClass(block_bytes, stride, self.slab_bytes // stride, owner=owner))
+        self._by_size[(block_bytes, owner)] = len(self.classes) - 1
         return len(self.classes) - 1
+
+    def _slab_owned(self, c: SizeClass, delta: int) -> None:
+        left = self.owner_slabs.get(c.owner, 0) + delta
+        if left:
+            self.owner_slabs[c.owner] = left
+        else:
+            del self.owner_slabs[c.owner]
 
     def alloc(self, cls: int) -> int | None:
         got = self.alloc_many(cls, 1)
@@ -91,6 +107,7 @@ class SlabAllocator:
                 slab.cls, slab.free, slab.used = cls, list(range(c.per_slab)), 0  # sorted: a heap
                 slab.taken = bytearray(c.per_slab)
                 c.slabs += 1
+                self._slab_owned(c, 1)
                 c.partial.add(s)
             c.current = s
             slab = self.slabs[s]
@@ -127,6 +144,7 @@ class SlabAllocator:
         if slab.used == 0:  # whole slab back to the pool for any class
             c.partial.discard(s)
             c.slabs -= 1
+            self._slab_owned(c, -1)
             slab.cls, slab.free, slab.taken = -1, [], bytearray()
             self.free_slabs.append(s)
 
@@ -147,6 +165,7 @@ class SlabAllocator:
                 free_slabs.discard(s)
                 slab.cls, slab.used, slab.taken = cls, 0, bytearray(c.per_slab)
                 c.slabs += 1
+                self._slab_owned(c, 1)
             ok = ok and slab.cls == cls and not slab.taken[slot]
             if ok:
                 slab.taken[slot] = 1
@@ -221,5 +240,11 @@ class SlabAllocator:
             owned = [s for s, sl in enumerate(self.slabs) if sl.cls == i]
             if len(owned) != c.slabs or sum(self.slabs[s].used for s in owned) != c.used:
                 problems.append(f"class {i}: slabs/used counters disagree")
+        owners: dict[str, int] = {}
+        for c in self.classes:
+            if c.slabs:
+                owners[c.owner] = owners.get(c.owner, 0) + c.slabs
+        if owners != self.owner_slabs:
+            problems.append(f"slabs per owner {self.owner_slabs} != classes {owners}")
         if problems:
             raise IntegrityError(f"{problems}; counters={self.counters()}")

@@ -16,10 +16,11 @@ Primitives (scheduler-style, no I/O):
   prepare_load(ns, keys) -> LoadPlan       pins what is READY
   complete_load(plan)
   pin(entries) / unpin(entries)            hold READY entries (no eviction) for a reader
-  alloc(cls) / free(offset)                used by the swap table too
+  alloc_for(ns, n) -> [offset]             n slots for ns's tenant (its share, when on): swap too
+  alloc(cls) / free(offset)
   adopt(ns, [(key, offset)]) -> [Entry | None]  warm restart: READY entries at kept offsets
   flush(ns=None) -> int, check_integrity()
-  tenants: TenantShares                    bytes per tenant; with share < 1 a store at it evicts its own
+  tenants: TenantShares                    slabs per tenant; with share < 1 a store at it evicts its own
   take_events() -> [(kind, namespace, hash)]  "stored" / "removed" (+ "disk_*", record()), if enabled
 """
 
@@ -110,7 +111,8 @@ class BlockIndex:
             # the cap keeps a client minting fingerprints from growing the daemon.
             raise ValueError(f"too many namespaces ({MAX_NAMESPACES}); flush or restart the daemon")
         if ns is None:
-            cls = self.alloc_.add_class(block_bytes)
+            # Shares on: the tenant's own class, so its slabs hold its blocks only.
+            cls = self.alloc_.add_class(block_bytes, self.tenants.class_owner(owner_of(fingerprint)))
             self._next_ns += 1  # never reused, even after an empty namespace is forgotten
             ns = Bucket(self._next_ns, fingerprint, block_bytes, cls, owner=owner_of(fingerprint))
             self.namespaces[fingerprint] = ns
@@ -147,8 +149,7 @@ class BlockIndex:
                     plan.skipped.append(i)
                 else:
                     todo[key] = i
-            shares = self.tenants  # on: a tenant at its share makes room from its own blocks
-            offsets = shares.take(self, ns, len(todo)) if shares.on else self.alloc_many(ns.cls, len(todo))
+            offsets = self.alloc_for(ns, len(todo))
             for (key, i), offset in zip(todo.items(), offsets):
                 e = Entry(ns, key, offset)
                 entries[key] = e
@@ -245,7 +246,6 @@ class BlockIndex:
             out.append(e)
         adopted = [e.key for e in out if e is not None]
         ns.ready += len(adopted)
-        self.tenants.charge(ns, len(adopted))
         if self.mirror is not None and adopted:
             self.mirror.stored(ns, adopted)
         return out
@@ -266,6 +266,12 @@ class BlockIndex:
         return len(victims)
 
     # ---- space -----------------------------------------------------------------
+    def alloc_for(self, ns: Bucket, n: int) -> list[int]:
+        """Up to ``n`` slots of ``ns``'s class for its tenant: with shares on, within
+        its share (a tenant at it makes room from its own blocks); stores and swap alike."""
+        shares = self.tenants
+        return shares.take(self, ns, n) if shares.on else self.alloc_many(ns.cls, n)
+
     def alloc(self, cls: int) -> int | None:
         got = self.alloc_many(cls, 1)
         return got[0] if got else None
@@ -327,9 +333,7 @@ class BlockIndex:
                 self.mirror.removed(e.ns, e.key)
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
-        self.alloc_.free(e.offset)
-        if self.tenants.on:  # off: no per-block cost at all (usage() counts namespaces)
-            self.tenants.charge(e.ns, -1)
+        self.alloc_.free(e.offset)  # a slab it empties is no longer its tenant's (owner_slabs)
 
     # ---- integrity ---------------------------------------------------------------
     def counters(self) -> dict:

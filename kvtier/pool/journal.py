@@ -24,13 +24,21 @@ Namespace slots hold the full namespace key (tenant SEP fingerprint) and a
 random tag that each block record repeats: a slot rewritten for another
 namespace never adopts the old namespace's records.
 
+Per-tenant cap. The records and namespace slots are one table for every
+tenant: one tenant storing many small blocks (4,096 of 256 B fill a 64 MiB
+pool's journal) left nothing for the others' blocks. With ``cap_tenants(share)``
+a tenant (the owner in the namespace key) holds at most ``share`` of the
+records and of the namespace slots; past that its blocks are served but not
+kept (counted in ``full``, like a full journal).
+
 Layout (little-endian): a 4 KiB header (magic, format version, header crc,
 pool size, slab size, record count, namespace slots, creation time), then
 ``NS_SLOTS`` namespace slots of ``NS_SLOT_BYTES``, then 64-byte records.
 
 Primitives: ``journal_bytes(pool_size)``, ``Journal.create(buf, pool_size, slab_size)``,
 ``Journal.open(buf, pool_size, slab_size) -> (Journal | None, why)``, ``.scan() -> ([Kept], rejected)``,
-``.keep(kept)``, ``.commit(ns_key, block_bytes, key, offset, crc) -> bool``, ``.remove(offset)``.
+``.keep(kept)``, ``.cap_tenants(share)``, ``.commit(ns_key, block_bytes, key, offset, crc) -> bool``,
+``.remove(offset, ns_key)``.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+
+from .keys import owner_of
 
 MAGIC = b"KVTWARM\x00"
 FORMAT_VERSION = 1
@@ -91,6 +101,9 @@ class Journal:
         self._free_ns = list(range(NS_SLOTS - 1, -1, -1))
         self._gen = 1
         self.full = 0  # commits that found no free record (the block is served, not kept)
+        self.tenant_records, self.tenant_slots = self.records, NS_SLOTS  # cap_tenants lowers them
+        self._owner_records: dict[str, int] = {}  # tenant -> records it holds
+        self._owner_slots: dict[str, int] = {}    # tenant -> namespace slots it holds
 
     # ---- open ----------------------------------------------------------------------
     @classmethod
@@ -167,20 +180,35 @@ class Journal:
             slots[k.ns_key][3] += 1
             self._gen = max(self._gen, k.gen + 1)
         self._ns = {key: v for key, v in slots.items() if v[3]}
+        self._owner_records, self._owner_slots = {}, {}
+        for key, v in self._ns.items():
+            _add(self._owner_records, owner_of(key), v[3])
+            _add(self._owner_slots, owner_of(key), 1)
         used = {v[0] for v in self._ns.values()}
         for slot in range(NS_SLOTS):
             if slot not in used:
                 self._clear_ns(slot)
         self._free_ns = [s for s in range(NS_SLOTS - 1, -1, -1) if s not in used]
 
+    def cap_tenants(self, share: float) -> None:
+        """Hold each tenant to ``share`` of the records and namespace slots (tenant_share);
+        what it holds already stays (a lowered share only stops new records)."""
+        self.tenant_records = max(1, int(self.records * share)) if share < 1 else self.records
+        self.tenant_slots = max(1, int(NS_SLOTS * share)) if share < 1 else NS_SLOTS
+
     # ---- updates (the daemon's loop) -----------------------------------------------
     def commit(self, ns_key: str, block_bytes: int, key: bytes, offset: int, crc: int) -> bool:
-        """Record a committed block; False when it cannot be kept (journal full,
-        namespace key too long or no namespace slot left)."""
+        """Record a committed block; False when it cannot be kept (journal full, its
+        tenant at its share, namespace key too long or no namespace slot left)."""
         if offset in self._rec_of or len(key) != 16:
             return False
-        ns = self._ns.get(ns_key) or self._new_ns(ns_key, block_bytes)
-        if ns is None or ns[2] != block_bytes or not self._free:
+        owner = owner_of(ns_key)
+        ns = None
+        if self._free and self._owner_records.get(owner, 0) < self.tenant_records:
+            ns = self._ns.get(ns_key)  # a new slot only for a record that will be written
+            if ns is None and self._owner_slots.get(owner, 0) < self.tenant_slots:
+                ns = self._new_ns(ns_key, block_bytes)
+        if ns is None or ns[2] != block_bytes:
             self.full += 1
             return False
         rec = self._free.pop()
@@ -191,6 +219,7 @@ class Journal:
         self._gen += 1
         self._rec_of[offset] = rec
         ns[3] += 1
+        _add(self._owner_records, owner, 1)
         return True
 
     def remove(self, offset: int, ns_key: str) -> None:
@@ -202,10 +231,12 @@ class Journal:
         ns = self._ns.get(ns_key)
         if ns is not None:
             ns[3] -= 1
+            _add(self._owner_records, owner_of(ns_key), -1)
             if ns[3] <= 0:  # no record names it any more: the slot may serve another namespace
                 del self._ns[ns_key]
                 self._clear_ns(ns[0])
                 self._free_ns.append(ns[0])
+                _add(self._owner_slots, owner_of(ns_key), -1)
 
     @property
     def kept(self) -> int:
@@ -229,6 +260,7 @@ class Journal:
         self.buf[pos + 4:pos + _NS.size + len(raw)] = body
         struct.pack_into("<I", self.buf, pos, _crc(body))  # last
         ns = self._ns[ns_key] = [slot, tag, block_bytes, 0]
+        _add(self._owner_slots, owner_of(ns_key), 1)
         return ns
 
     def _read_ns(self, slot: int) -> tuple[str, int, int] | None:
@@ -253,6 +285,14 @@ class Journal:
         pos = HEADER_BYTES + slot * NS_SLOT_BYTES
         struct.pack_into("<I", self.buf, pos, 0)
         self.buf[pos + 4:pos + NS_SLOT_BYTES] = bytes(NS_SLOT_BYTES - 4)
+
+
+def _add(counts: dict[str, int], owner: str, delta: int) -> None:
+    left = counts.get(owner, 0) + delta
+    if left:
+        counts[owner] = left
+    else:
+        counts.pop(owner, None)
 
 
 def _crc(body) -> int:

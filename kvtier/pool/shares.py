@@ -1,24 +1,48 @@
-"""Per-tenant shares of the prefix-cache pool: one tenant cannot evict everyone.
+"""Per-tenant shares of the pool: one tenant cannot evict everyone.
 
 Eviction is global LRU, so without a limit one tenant storing fast (a hostile
 user, a runaway batch job) pushes every other tenant's prefix cache out. With
-``share`` < 1, a tenant's READY + in-flight blocks may hold at most ``share``
-of the pool's bytes: a store that would pass it first evicts that tenant's own
-oldest blocks (of the class it needs, or whole slabs holding only its own
-evictable blocks), never another's; what still does not fit is ``no_space``,
-a value, as when the pool is full. Below its share a store evicts by global
-LRU as before. ``share`` = 1 keeps the old behaviour and its cost: no
-counter runs, and ``usage`` sums the namespaces (O(namespaces), for stats).
+``share`` < 1 each tenant is held to ``share`` of everything it can make the
+daemon hold or evict on its behalf. The accounting, all of it:
+
+  * pool slabs. A tenant's size classes are its own (the allocator's class
+    owner): a slab holds one tenant's blocks only, and the tenant is charged
+    every slab its classes occupy, whole - READY blocks, blocks being
+    written and swap alike (swap takes its slots through ``take`` too). At
+    most ``limit_slabs`` = max(1, floor(slabs x share)). Charging slot bytes
+    instead let one block in each of 16 sizes (35 KB "used") take all 16
+    slabs of a pool.
+  * journal records (warm restart, ``pool.journal``): at most ``share`` of the
+    records and of the namespace slots per tenant; past it a block is served
+    but not kept.
+  * disk bytes (the disk tier, ``disk.shares``): at most ``share`` of
+    ``disk_size``, its own oldest files dropped first.
+
+A store or an offload that would pass its slabs first evicts that tenant's
+own oldest blocks (of the class it needs, or whole slabs of its other
+classes), never another's; what still does not fit is ``no_space``, a value,
+as when the pool is full. Below its share it allocates as before: free slabs
+first, then global LRU (whole slabs of other classes).
+
+What that guarantees. Against any sequence of one other tenant's
+operations, a tenant keeps every block it holds in at most (1 - share) of the
+pool's slabs (its own share, when share <= 0.5): the other never holds more
+than ``limit_slabs``, so it only takes free slabs or its own. The property
+test in ``tests/pool/test_share_guarantee.py`` checks exactly this.
+
+``share`` = 1 keeps the old behaviour and its cost: classes are shared by
+every tenant, no per-tenant order runs, and ``usage`` sums the namespaces'
+slot bytes (O(namespaces), for stats).
 
 A namespace's owner is the tenant part of its key (``pool.keys.owner_of``); a
 key without SEP belongs to tenant "" (tests, tools).
 
 Primitives (no I/O but one rate-limited log line):
   TenantShares(allocator, share, policy)   .policy: the policy the index uses
-  on                                        share < 1: counters and the split order run
-  take(index, ns, wanted) -> [offset]       a store's allocation: room(), alloc, charge
-  charge(ns, blocks)                        O(1) per store batch / dropped block (when on)
-  room(index, ns, wanted) -> int            blocks this store may allocate
+  on                                        share < 1: own classes, the split order
+  class_owner(owner) -> str                 the allocator class owner for a tenant's namespace
+  take(index, ns, wanted) -> [offset]       a store's or an offload's allocation: room(), alloc
+  room(index, ns, wanted) -> int            blocks this allocation may take
   usage(index) -> {tenant: bytes}, problems(index) -> [str]
 """
 
@@ -96,25 +120,26 @@ class TenantShares:
         self.alloc_ = allocator
         self.share = share
         self.on = share < 1
-        self.limit = int(allocator.capacity * share)  # bytes of slots one tenant may hold
-        self.used: Counter = Counter()     # tenant -> bytes of its READY + WRITING slots
-        self.at_share: Counter = Counter()  # tenant -> stores that found it at its share
+        self.limit_slabs = max(1, int(len(allocator.slabs) * share))  # slabs one tenant's classes may hold
+        self.limit = self.limit_slabs * allocator.slab_bytes if self.on else allocator.capacity
+        self.at_share: Counter = Counter()  # tenant -> allocations that found it at its share
         self.own_evictions: Counter = Counter()
         self._logged: dict[str, float] = {}
         self.policy = SplitPolicy(type(policy)) if share < 1 else policy
 
-    def stride(self, ns) -> int:
-        return self.alloc_.classes[ns.cls].stride
-
-    def charge(self, ns, blocks: int) -> None:
-        """``blocks`` (negative: freed) of ``ns``'s class now held by its tenant."""
-        if self.on:
-            self.used[ns.owner] += blocks * self.stride(ns)
+    def class_owner(self, owner: str) -> str:
+        """On, a tenant's namespaces get size classes of their own: their slabs are its alone."""
+        return owner if self.on else ""
 
     def take(self, index, ns, wanted: int) -> list[int]:
-        offsets = index.alloc_many(ns.cls, self.room(index, ns, wanted))
-        self.charge(ns, len(offsets))
-        return offsets
+        return index.alloc_many(ns.cls, self.room(index, ns, wanted))
+
+    def fits(self, ns) -> int:
+        """Blocks of ``ns``'s class its tenant may still allocate: free slots in the
+        class's slabs plus whole slabs up to its limit."""
+        c = self.alloc_.classes[ns.cls]
+        spare = self.limit_slabs - self.alloc_.owner_slabs.get(c.owner, 0)
+        return c.slabs * c.per_slab - c.used + max(0, spare) * c.per_slab
 
     def room(self, index, ns, wanted: int) -> int:
         """How many of ``wanted`` new blocks ``ns``'s tenant may allocate; at its
@@ -122,48 +147,46 @@ class TenantShares:
         (pins) the blocks the store keeps, so they are not taken."""
         if self.share >= 1 or not wanted:
             return wanted
-        stride, owner = self.stride(ns), ns.owner
-        over = self.used[owner] + wanted * stride - self.limit
-        if over > 0:
+        owner = ns.owner
+        fits = self.fits(ns)
+        if wanted > fits:
             self.at_share[owner] += 1
-            self._evict_own(index, ns, over)
+            self._evict_own(index, ns, wanted - fits)
+            fits = self.fits(ns)
             now = time.monotonic()
             if now - self._logged.get(owner, -LOG_EVERY_S) >= LOG_EVERY_S:
                 self._logged[owner] = now
                 log.warning("tenant %r is at its pool share (tenant_share %.3g, %d bytes): its stores "
-                            "evict its own oldest blocks (%d stores so far)", owner or "-", self.share,
+                            "evict its own oldest blocks (%d so far)", owner or "-", self.share,
                             self.limit, self.at_share[owner])
-        return max(0, min(wanted, (self.limit - self.used[owner]) // stride))
+        return max(0, min(wanted, fits))
 
-    def _evict_own(self, index, ns, over: int) -> None:
-        # The index's walk (reclaim.pick) over the tenant's own order only, so a
-        # slab of another class completes only when every block in it is the
-        # tenant's; past the walk limit, the same: another tenant's block refuses it.
-        owner = ns.owner
-
-        def own_slab(slab: int):
-            whole = index._slab_victims(slab)
-            return whole if whole and all(v.ns.owner == owner for v in whole) else None
-        victims = reclaim.pick(self.policy.own(owner), ns.cls, -(-over // self.stride(ns)), self.alloc_,
-                               own_slab, index.slab_walk_limit)
-        self.own_evictions[owner] += index.evict(victims)
+    def _evict_own(self, index, ns, need: int) -> None:
+        # The index's walk (reclaim.pick) over the tenant's own order only: a slab
+        # of its other classes goes once every block in it was walked (past the
+        # walk limit, whole as it comes up). Its slabs hold only its blocks.
+        victims = reclaim.pick(self.policy.own(ns.owner), ns.cls, need, self.alloc_,
+                               index._slab_victims, index.slab_walk_limit)
+        self.own_evictions[ns.owner] += index.evict(victims)
 
     def usage(self, index) -> dict:
-        """Bytes per tenant of its READY + WRITING blocks (tenants holding none left out)."""
-        return {t: b for t, b in (self.used if self.on else self._count(index)).items() if b}
-
-    def _count(self, index) -> Counter:
+        """Bytes charged per tenant (tenants holding none left out). On: the slabs
+        its classes occupy, whole (prefix blocks, stores in flight, swap). Off: its
+        namespaces' slot bytes (swap not included)."""
+        if self.on:
+            slab = self.alloc_.slab_bytes
+            return {t: n * slab for t, n in self.alloc_.owner_slabs.items()}
         truth: Counter = Counter()
         for n in index.namespaces.values():
-            truth[n.owner] += len(n.entries) * self.stride(n)
-        return truth
+            truth[n.owner] += len(n.entries) * self.alloc_.classes[n.cls].stride
+        return {t: b for t, b in truth.items() if b}
 
     def problems(self, index) -> list[str]:
-        """The counters recomputed from the entries (the index's integrity check)."""
-        truth = self._count(index) if self.on else Counter()
+        """Each namespace in a class of its tenant's (the allocator checks the slab
+        counts), and the orders agree (the index's integrity check)."""
         out = []
-        if +truth != +self.used or any(b < 0 for b in self.used.values()):
-            out.append(f"tenant bytes {dict(self.used)} != entries {dict(truth)}")
+        if any(self.alloc_.classes[n.cls].owner != self.class_owner(n.owner) for n in index.namespaces.values()):
+            out.append("a namespace's size class belongs to another tenant")
         if self.policy is not index.policy:
             out.append("tenant policy is not the index's")
         elif isinstance(self.policy, SplitPolicy) and \

@@ -4,7 +4,10 @@ Swap records are not content-addressed, never shared, never evicted while the
 owner lives. Their slots come from the same slab pool as the prefix cache:
 allocation evicts prefix blocks (never swap: swap slots are invisible to the
 eviction policy and pin their slab). Each owner has a byte quota and all swap
-together is capped at a share of the pool.
+together is capped at a share of the pool. With per-tenant shares on, swap is
+the tenant's like its prefix blocks: its slots are taken within its share
+(``index.alloc_for``), so at its share an offload evicts the tenant's own
+oldest blocks, never another tenant's.
 
 Record life: prepare_offload -> WRITING -> complete_offload -> READY
 -> prepare_restore -> RESTORING -> complete_restore(ok) frees it (or back to
@@ -75,14 +78,11 @@ class SwapTable:
             return None, "quota"
         if self.total_bytes + need > self.max_bytes:
             return None, "no_space"
-        rec = SwapRecord(owner, request, ns, engine_blocks)
-        for _ in range(slots):
-            off = self.index.alloc(ns.cls)
-            if off is None:
-                for o in rec.offsets:
-                    self.index.free(o)
-                return None, "no_space"
-            rec.offsets.append(off)
+        rec = SwapRecord(owner, request, ns, engine_blocks, self.index.alloc_for(ns, slots))
+        if len(rec.offsets) < slots:
+            for o in rec.offsets:
+                self.index.free(o)
+            return None, "no_space"
         slab_of = self.index.alloc_.slab_of
         new_slabs = {slab_of(o) for o in rec.offsets} - self._slab_slots.keys()
         if (len(self._slab_slots) + len(new_slabs)) * self.index.alloc_.slab_bytes > self.max_bytes:
