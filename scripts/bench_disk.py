@@ -3,6 +3,7 @@
 method, and what a disk hit costs a lookup.
 
     python scripts/bench_disk.py [--bytes 1GiB] [--reps 3] [--threads 1,2,4] [--dir /var/tmp]
+    python scripts/bench_disk.py --stores 200 --baseline /path/to/other/checkout [--reps 3]
 
 1. Loads. A daemon with ``disk_path`` stores ``--bytes`` of 256 KiB blocks
    and writes them to disk; then, per rep and per ``disk_threads`` value
@@ -22,6 +23,14 @@ method, and what a disk hit costs a lookup.
    client lookups of each alternate (round trip, median us); and the index
    call alone in process (``BlockIndex.lookup`` with the disk tier off, on
    with a RAM chain, on with a disk chain).
+
+``--stores N`` instead measures what the disk tier costs a store: one engine
+stores N new chains of 16 blocks (4 MiB) back to back, waiting for each
+reply, into a 64 MiB pool (write-behind queue 16 MiB, so the disk falls
+behind and the pool evicts), per store p50/p99 in ms; daemons of this
+checkout with the disk tier on and off, and of ``--baseline DIR`` (another
+checkout) with it on, alternating per rep. Also what each run wrote and did
+not write.
 
 Output: markdown tables to paste into BENCHMARKS.md, with the load average.
 """
@@ -56,14 +65,19 @@ def hashes(n: int, tag: int = 0) -> list[bytes]:
     return [bytes([tag]) + i.to_bytes(7, "little") + bytes(8) for i in range(n)]
 
 
-def daemon(sock: str, disk: str, disk_size: int, pool: int, threads: int = 2):
+def daemon(sock: str, disk: str, disk_size: int, pool: int, threads: int = 2, repo: str | None = None):
+    """``repo``: run another checkout's daemon; ``disk`` "": the disk tier off."""
     if os.path.exists(sock):
         os.unlink(sock)
     env = {**os.environ, "KVTIER_DISK_PATH": disk, "KVTIER_DISK_SIZE": str(disk_size),
            "KVTIER_DISK_THREADS": str(threads), "KVTIER_DISK_TIMEOUT_S": "60", "KVTIER_RAM_FRACTION": "0.95"}
+    if not disk:
+        del env["KVTIER_DISK_PATH"], env["KVTIER_DISK_SIZE"]
+    if repo:
+        env["PYTHONPATH"] = repo
     p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size", str(pool),
                           "--slab-size", "16MiB", "--log-level", "WARNING", *no_system_config()],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=repo)
     deadline = time.monotonic() + 300
     while True:
         if p.poll() is not None or time.monotonic() > deadline:
@@ -71,7 +85,7 @@ def daemon(sock: str, disk: str, disk_size: int, pool: int, threads: int = 2):
         if os.path.exists(sock):
             try:
                 with Client(sock, name="probe", timeout=60) as c:
-                    if not c.stats()["disk"]["scanning"]:
+                    if not c.stats()["disk"].get("scanning"):
                         return p
             except Exception:  # bound but not serving yet
                 pass
@@ -283,6 +297,48 @@ def lookup_in_process(n: int) -> dict:
     return {k: min(v) for k, v in out.items()}
 
 
+# ---- stores --------------------------------------------------------------------------------
+STORE_CHAIN = 16
+
+
+def store_latencies(sock: str, kv, n: int, tag: int) -> list[float]:
+    with Client(sock, name="engine", timeout=60) as c:
+        c.register_kv_cache(kv, [0] * LAYERS, NS)
+        out = []
+        for i in range(n):
+            hs = [bytes([tag]) + i.to_bytes(4, "little") + j.to_bytes(2, "little") + bytes(9)
+                  for j in range(STORE_CHAIN)]
+            t0 = time.perf_counter()
+            assert c.store(hs, list(range(i % 16 * STORE_CHAIN, (i % 16 + 1) * STORE_CHAIN))).wait().ok
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+def bench_stores(a, work: str, kv) -> dict:
+    sides = {"baseline, disk on": (a.baseline, True), "this, disk on": (None, True), "this, disk off": (None, False)}
+    got: dict = {name: [] for name in sides}
+    written: dict = {name: [] for name in sides}
+    sock = os.path.join(work, "s.sock")
+    for rep in range(a.reps):
+        for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
+            repo, on = sides[name]
+            root = os.path.join(work, f"disk-{rep}-{len(got[name])}-{int(on)}")
+            d = daemon(sock, root if on else "", 4 << 30, 64 << 20, 4, repo)
+            lat = store_latencies(sock, kv, a.stores, rep + 1)
+            time.sleep(2)  # the write-behind catches up (or not): what was written and what was not
+            s = disk_stats(sock)
+            stop(d)
+            shutil.rmtree(root, ignore_errors=True)
+            got[name].append((statistics.median(lat) * 1e3, sorted(lat)[int(len(lat) * 0.99) - 1] * 1e3))
+            written[name].append({k: s.get(k) for k in ("written", "queue_full", "not_written") if k in s})
+    rows = [[name, round(statistics.median(x[0] for x in v), 2), round(statistics.median(x[1] for x in v), 2),
+             "; ".join(f"{p50:.2f}/{p99:.2f}" for p50, p99 in v), written[name][-1]] for name, v in got.items()]
+    return {"table": table(["daemon", "store p50 ms", "store p99 ms", "runs p50/p99", "last run: written, not"],
+                           rows, f"{a.stores} stores of {STORE_CHAIN} x {format_size(BLOCK)} into a 64 MiB pool, "
+                           f"reps alternating, baseline {a.baseline}"),
+            "runs": got, "written": written}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes", type=size_list, default=[2**30], help="bytes of blocks on disk (one size)")
@@ -292,9 +348,25 @@ def main() -> int:
     p.add_argument("--lookups", type=int, default=2000)
     p.add_argument("--cache", choices=("drop", "fadvise"), default="drop",
                    help="cold reads by drop_caches (as root; else fadvise) or POSIX_FADV_DONTNEED on the files")
+    p.add_argument("--stores", type=int, default=0, help="measure N stores instead (see above)")
+    p.add_argument("--baseline", default="", help="--stores: another checkout's daemon to compare")
     add_json_flag(p)
     a = p.parse_args()
     DROP["caches"] = a.cache == "drop"
+    if a.stores:
+        work = tempfile.mkdtemp(prefix="kvtier-bench-stores-", dir=a.dir)
+        os.chmod(work, 0o700)
+        kv = ShmKVCache([SHAPE] * LAYERS, __import__("torch").float16)
+        load1 = os.getloadavg()
+        try:
+            out = bench_stores(a, work, kv)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            kv.close()
+        note = f"Load average at start {load1[0]:.2f}, at end {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs"
+        emit({"machine": machine_notes(), "stores": out["runs"], "written": out["written"]},
+             [note, out["table"]], a.json)
+        return 0
     total = max(1, a.bytes[0] // BLOCK // PER_LOAD) * PER_LOAD * BLOCK  # whole loads of 64 blocks
     n = total // BLOCK
     threads = [int(t) for t in a.threads.split(",")]

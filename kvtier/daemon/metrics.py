@@ -83,7 +83,6 @@ DISK_COUNTERS = (  # stats key under "disk", metric name, help
     ("eio", "disk_eio", "Disk operations that failed with EIO or EROFS."),
     ("timed_out", "disk_load_timeouts", "Blocks whose read missed disk_timeout_s (the load went on without them)."),
     ("fail_fast", "disk_fail_fast", "Blocks not read because a read was stuck on the disk."),
-    ("queue_full", "disk_queue_full", "Committed blocks not written (write-behind queue full)."),
 )
 
 
@@ -226,6 +225,15 @@ class SnapshotCollector:
         yield per
         for key, name, doc in DISK_COUNTERS:
             yield CounterMetricFamily("kvtier_" + name, doc, value=d[key])
+        yield GaugeMetricFamily("kvtier_disk_backlog_blocks", "Committed blocks waiting for the write-behind queue.",
+                                value=d["backlog_blocks"])
+        lost = CounterMetricFamily("kvtier_disk_not_written", "Committed blocks never written to the disk tier, "
+                                   "by tenant and why (evicted, backlog_full, over_share, too_long, failed).",
+                                   labels=["tenant", "why"])
+        for tenant, whys in d["not_written"].items():
+            for why, n in whys.items():
+                lost.add_metric([tenant, why], n)
+        yield lost
 
 
 class MetricsServer:

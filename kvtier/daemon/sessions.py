@@ -116,9 +116,8 @@ class Sessions:
         if client.peer is None:
             raise DaemonError(ErrorCode.UNAUTHORIZED, "only local, kernel-identified clients may register memory")
         key = ns_key(client.tenant, msg.namespace)
-        if key not in self.index.namespaces and self._tenant_namespaces(client.tenant) >= config.max_namespaces_per_user:
-            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"tenant {client.tenant} has {config.max_namespaces_per_user} "
-                              "namespaces already (max_namespaces_per_user)")
+        if key not in self.index.namespaces:
+            self._namespace_room(client.tenant, key, config.max_namespaces_per_user)
         self._check_mappings(client, config, max(1, len(fds)))
         try:
             tensors, dims, segments = open_specs(msg.tensors, fds, gpu_uuids=self.gpu.uuids if self.gpu else None)
@@ -197,9 +196,28 @@ class Sessions:
                 log.error("segment %s still has live views; leaving it mapped", seg.name)
         reg.segments = []
 
-    def _tenant_namespaces(self, tenant: str) -> int:
+    def _namespace_room(self, tenant: str, key: str, cap: int) -> None:
+        """``max_namespaces_per_user`` counts a tenant's namespaces in every tier: in RAM
+        (blocks, registrations, swap) and on disk. At the cap, a new namespace first drops
+        the tenant's namespaces that are on disk only, least recently used first (their
+        files and directories go); it is refused when the tenant's RAM namespaces alone
+        reach the cap, as before."""
         prefix = ns_key(tenant, "")
-        return sum(1 for k in self.index.namespaces if k.startswith(prefix))
+        ram = {k for k in self.index.namespaces if k.startswith(prefix)}
+        disk = self.index.lower  # the disk tier, when on (kvtier/disk/bridge.py)
+        on_disk = {k for k in disk.namespace_keys() if k.startswith(prefix)} if disk is not None else set()
+        if key in on_disk:
+            return  # counted already
+        over = len(ram | on_disk) + 1 - cap
+        if over <= 0:
+            return
+        spare = disk.oldest_first(on_disk - ram) if disk is not None else []
+        if over > len(spare):
+            raise DaemonError(ErrorCode.BAD_ARGUMENT, f"tenant {tenant} has {cap} namespaces already "
+                              "(max_namespaces_per_user)")
+        dropped = disk.drop_namespaces(spare[:over])
+        log.info("tenant %s at max_namespaces_per_user (%d): dropped its %d least recently used namespaces "
+                 "on disk (%d blocks) for a new one", tenant, cap, over, len(dropped))
 
     def forget_idle_namespaces(self) -> int:
         """Drop namespaces with no blocks, no registration and no swap, so a

@@ -3,13 +3,18 @@ only part that touches the block index or the disk index for disk work.
 
 Hooks (marked ``# disk tier hook`` where the daemon calls them):
 
-  committed(plan)      an engine's store committed: hold its new blocks and queue
-                       them to be written (write-behind: a block is on disk before
-                       RAM evicts it, so eviction never waits for the disk)
+  committed(plan)      an engine's store committed: its new blocks join their tenant's
+                       write backlog, and the backlog feeds the write-behind queue
+                       (pinned in the pool, at most ``queue_bytes``) tenant by tenant
+                       as room frees (schedule.py): nothing is dropped for a full
+                       queue, no disk I/O on the store's path, and eviction never
+                       waits for the disk
   extend(ns, keys, n)  BlockIndex.lookup's lower tier: how far the chain goes on
                        counting disk blocks (dict lookups, never the disk)
   flushed(ns | None)   BlockIndex.flush's lower tier: a flush empties the disk too
   flush_keys(keys)     a flush of namespaces that may be on disk only (after a restart)
+  namespace_keys(), oldest_first(keys), drop_namespaces(keys)
+                       max_namespaces_per_user counts disk namespaces too (daemon/sessions.py)
   load(...) -> bool    the load names disk blocks the pool lacks: allocate them
                        (invisible, like a store in progress), read and verify them
                        on the I/O threads, commit the good ones, then run the load
@@ -46,6 +51,7 @@ from ..protocol.codec import encode
 from .format import HEADER_BYTES, MAX_NS_KEY
 from .index import DiskEntry, DiskIndex
 from .io import DiskIO
+from .schedule import WriteBacklog
 
 log = logging.getLogger("kvtier.disk")
 FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us each measured
@@ -64,7 +70,7 @@ class PendingLoad:
 
 class DiskBridge:
     def __init__(self, io: DiskIO, dindex: DiskIndex, index, send, redispatch, timeout_s: float,
-                 queue_bytes: int, crcs: dict | None = None):
+                 queue_bytes: int, crcs: dict | None = None, backlog_bytes: int | None = None):
         self.io, self.dindex, self.index = io, dindex, index
         self.send = send                # (identity, request id, reply) -> None
         self.redispatch = redispatch    # (identity, frame) -> None: the daemon's dispatch point
@@ -73,8 +79,12 @@ class DiskBridge:
         self.journal = None             # warm restart: blocks read back are journaled like stores
         self.counters: Counter = Counter()
         self.queued = 0                 # write-behind bytes held in the pool
+        self.backlog = WriteBacklog(backlog_bytes or queue_bytes * 4)  # committed, waiting for queue room
         self.writing: set = set()       # (ns key, block key) being written
-        self.generation: Counter = Counter()  # ns key -> flushes: a write finishing after one is dropped
+        # ns key -> flushes while it had reads or writes in flight (a result finishing after one is
+        # dropped); forgotten with its last job, so cycling namespaces leaves nothing behind.
+        self.generation: Counter = Counter()
+        self.in_flight: Counter = Counter()  # ns key -> blocks being written or read
         self.loads: dict = {}           # read job -> [PendingLoad waiting for it]
         self.reading: dict = {}         # (ns key, block key) -> the read job bringing it into the pool
         self.by_request: dict = {}      # (identity, request id) -> PendingLoad
@@ -111,8 +121,11 @@ class DiskBridge:
         """Drop these namespaces' blocks (None: all), also those with no bucket in RAM (found
         by the scan after a restart); the entries dropped. A write or read of them that
         finishes later is dropped too (its generation is stale)."""
-        for k in list(self.dindex.namespaces) if keys is None else keys:
-            self.generation[k] += 1
+        for k in list(self.in_flight) if keys is None else keys:
+            if self.in_flight[k]:
+                self.generation[k] += 1
+        for k in self.backlog.namespaces() if keys is None else keys:
+            self.backlog.forget(k)  # flushed from every tier: not written, by policy
         victims = self.dindex.drop(keys)
         self._unlink(victims)
         return victims
@@ -126,28 +139,50 @@ class DiskBridge:
         ns = plan.ns
         key = ns.fingerprint
         on_disk = self.dindex.namespaces.get(key, {})
-        entries = [e for e in plan.entries if e is not None and e.state == READY and ns.entries.get(e.key) is e
-                   and e.key not in on_disk and (key, e.key) not in self.writing]
-        if not entries:
+        keys = [e.key for e in plan.entries if e is not None and e.state == READY and ns.entries.get(e.key) is e
+                and e.key not in on_disk and (key, e.key) not in self.writing]
+        if not keys:
             return
         if len(key.encode()) > MAX_NS_KEY:
-            self.counters["write_skipped"] += len(entries)
+            self.counters["write_skipped"] += len(keys)
+            self.backlog.lost(owner_of(key), "too_long", len(keys))
             return
-        size = ns.block_bytes
-        n = min(len(entries), max(0, self.queue_bytes - self.queued) // size)
-        self.counters["queue_full"] += len(entries) - n
-        victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH, owner_of(key)) if n else None
-        if victims is None:
-            self.counters["write_skipped"] += n
-            return
-        self._unlink(victims)
-        self._fit_later()
-        del entries[n:]
-        self.index.pin(entries)
-        self.queued += n * size
-        self.writing.update((key, e.key) for e in entries)
-        items = [(key, e.key, self.io.next_seq(), e.offset) for e in entries]
-        self.io.write(items, size, ("write", entries, self.generation[key]))
+        self.backlog.add(owner_of(key), ns, keys)
+        self._feed()
+
+    def _feed(self) -> None:
+        """Move backlog turns into the write-behind queue while it has room. A block is
+        written from the pool if it is still there (pinned from here until written)."""
+        while True:
+            turn = self.backlog.take(self.queue_bytes - self.queued)
+            if turn is None:
+                return
+            tenant, ns, keys = turn
+            key, size = ns.fingerprint, ns.block_bytes
+            on_disk = self.dindex.namespaces.get(key, {})
+            entries = []
+            for k in keys:
+                e = ns.entries.get(k)
+                if e is None or e.state != READY:  # evicted before its turn
+                    self.backlog.lost(tenant, "evicted")
+                elif k not in on_disk and (key, k) not in self.writing:
+                    entries.append(e)
+            if not entries:
+                continue
+            n = len(entries)
+            victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH, tenant)
+            if victims is None:  # more than the tenant's share of disk_size (or all of it)
+                self.counters["write_skipped"] += n
+                self.backlog.lost(tenant, "over_share", n)
+                continue
+            self._unlink(victims)
+            self._fit_later()
+            self.index.pin(entries)
+            self.queued += n * size
+            self.writing.update((key, e.key) for e in entries)
+            items = [(key, e.key, self.io.next_seq(), e.offset) for e in entries]
+            self.in_flight[key] += n
+            self.io.write(items, size, ("write", entries, self.generation[key]))
 
     def _written(self, job) -> None:
         entries, gen = job.token[1], job.token[2]
@@ -158,6 +193,7 @@ class DiskBridge:
         self.writing.difference_update((key, e.key) for e in entries)
         self.dindex.release(len(entries) * (HEADER_BYTES + size), owner_of(key))
         stale = gen != self.generation[key]  # flushed while being written
+        self._landed(key, len(entries))
         unannounced = []
         for i, crc, path in job.ok:
             _, k, seq, _ = job.items[i]
@@ -168,8 +204,10 @@ class DiskBridge:
             else:
                 self.index.record("disk_stored", key, k)
         self.counters["write_failed"] += len(job.failed)
-        self.io.unlink(unannounced)
+        self.backlog.lost(owner_of(key), "failed", len(job.failed))
+        self.io.unlink(unannounced, self._emptied([key]))
         self._fit()
+        self._feed()  # the queue has room again
 
     def _fit(self) -> None:
         """Drop one slice of the oldest entries beyond ``disk_size``; the next slice next loop turn."""
@@ -186,7 +224,28 @@ class DiskBridge:
     def _unlink(self, victims: list) -> None:
         for v in victims:
             self.index.record("disk_removed", v.ns_key, v.key)
-        self.io.unlink([v.path for v in victims])
+        self.io.unlink([v.path for v in victims], self._emptied({v.ns_key for v in victims}))
+
+    def _emptied(self, ns_keys) -> list[str]:
+        """Namespaces with nothing left on disk and nothing in flight: their directories go
+        once the unlinks queued with them are done (cycling namespaces leaves no directory)."""
+        return [k for k in ns_keys if k not in self.dindex.namespaces and not self.in_flight[k]]
+
+    def _landed(self, key: str, n: int) -> None:
+        """``n`` blocks of ``key`` written or read: a namespace with none left in flight is forgotten."""
+        self.in_flight[key] -= n
+        if self.in_flight[key] <= 0:
+            del self.in_flight[key]
+            self.generation.pop(key, None)
+
+    def drop_namespaces(self, ns_keys: list[str]) -> list:
+        """A tenant at ``max_namespaces_per_user`` makes room: these namespaces leave the disk."""
+        self.counters["namespaces_dropped"] += len(ns_keys)
+        return self.flush_keys(ns_keys)
+
+    def oldest_first(self, ns_keys) -> list[str]:
+        """Namespaces on disk, the one written or read least recently first."""
+        return sorted((k for k in ns_keys if k in self.dindex.namespaces), key=self.dindex.ns_newest.__getitem__)
 
     # ---- loads ---------------------------------------------------------------------------------
     def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes], uid=None) -> bool:
@@ -253,6 +312,7 @@ class DiskBridge:
         job = self.io.read(items, ns.block_bytes, (plan, got, self.generation[ns.fingerprint]),
                            time.monotonic() + self.timeout_s)
         self.loads[job] = []
+        self.in_flight[ns.fingerprint] += len(got)
         self.reading.update(((ns.fingerprint, plan.entries[i].key), job) for i in got)
         return job
 
@@ -288,7 +348,9 @@ class DiskBridge:
         that waited for nothing else."""
         plan, got, gen = job.token
         failed = set(job.failed)
-        if gen != self.generation[plan.ns.fingerprint]:  # flushed while being read: commit nothing
+        stale = gen != self.generation[plan.ns.fingerprint]
+        self._landed(plan.ns.fingerprint, len(got))
+        if stale:  # flushed while being read: commit nothing
             failed = set(range(len(got)))
             job.ok = []
         self.index.complete_store(plan, failed=[got[j] for j in failed])
@@ -305,7 +367,8 @@ class DiskBridge:
         for e in bad:
             if self.dindex.remove(e):  # not yet dropped for room or flushed: announce it
                 self.index.record("disk_removed", e.ns_key, e.key)
-        self.io.unlink([e.path for e in bad])  # each write's own file (its seq is in the name)
+        # Each write's own file (its seq is in the name); its directory too if nothing is left.
+        self.io.unlink([e.path for e in bad], self._emptied([plan.ns.fingerprint]))
         waiting = self.loads.pop(job)
         self.counters.update(loaded=len(job.ok), load_failed=len(failed),
                              late=len(job.ok) if job.expired else 0)
@@ -370,9 +433,11 @@ class DiskBridge:
                "queue_bytes": self.queue_bytes, "scanning": self.scanning, "fitting": self.fit_pending,
                "scan_s": round(self.scan_s, 3),
                "loads_waiting": len(self.by_request), "reads_in_flight": len(self.loads), "namespaces": rows,
+               "backlog_blocks": self.backlog.blocks if tenant is None else self.backlog.of(tenant),
+               "backlog_limit_bytes": self.backlog.limit_bytes, "not_written": self.backlog.not_written(tenant),
                **{k: io.get(k, 0) for k in keys}, **{k: self.counters[k] for k in (
-                   "queue_full", "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",
-                   "timed_out", "no_room", "late")},
+                   "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",
+                   "timed_out", "no_room", "late", "namespaces_dropped")},
                "last_errors": errors}
         shares = self.dindex.shares  # tenant_share of disk_size: a tenant at it dropped its own oldest
         out.update(tenant_share=shares.share, tenant_limit_bytes=shares.limit)
@@ -384,6 +449,11 @@ class DiskBridge:
     def check_integrity(self) -> None:
         # Files found are fitted once all are found, a large excess over a few loop turns.
         self.dindex.check_integrity(fitted=not (self.scanning or self.fit_pending))
+        problems = self.backlog.problems()
+        if not set(self.generation) <= set(self.in_flight) or any(n <= 0 for n in self.in_flight.values()):
+            problems.append(f"flush generations {dict(self.generation)} kept past their jobs {dict(self.in_flight)}")
+        if problems:
+            raise AssertionError(f"disk tier: {problems}")
 
     def close(self) -> None:
         self.io.close()

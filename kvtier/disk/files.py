@@ -125,6 +125,7 @@ def _scan_files(root: str, uid: int, tally: Counter):
         path = os.path.join(root, d)
         if d == TMP_DIR or len(d) != 24 or not os.path.isdir(path) or os.path.islink(path):
             continue
+        kept = 0
         for name in os.listdir(path):
             file = os.path.join(path, name)
             why, h = _vet(d, name, file, uid)
@@ -134,7 +135,13 @@ def _scan_files(root: str, uid: int, tally: Counter):
                 quiet_unlink(file)
                 continue
             tally["scanned"] += 1
+            kept += 1
             yield DiskEntry(h.ns_key, h.key, h.seq, h.size, h.crc, file)
+        if not kept:  # an empty namespace directory (an earlier daemon's): it goes
+            try:
+                os.rmdir(path)
+            except OSError:  # a write of this daemon landed in it meanwhile
+                pass
 
 
 def _vet(d: str, name: str, file: str, uid: int):

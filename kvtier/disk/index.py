@@ -62,6 +62,7 @@ class DiskIndex:
         self.reserved = 0      # bytes of writes queued or running
         self.namespaces: dict[str, dict[bytes, DiskEntry]] = {}
         self.ns_bytes: Counter = Counter()  # payload bytes per namespace (stats read it every 0.5 s)
+        self.ns_newest: dict[str, int] = {}  # ns key -> its newest entry's age (which namespace is oldest)
         self.count = 0
         self.dropped = 0       # entries dropped to make room (the disk's evictions)
         self._heap: list = []  # (age, n, entry), stale items included
@@ -135,6 +136,7 @@ class DiskIndex:
         del entries[entry.key]
         if not entries:
             del self.namespaces[entry.ns_key]
+            del self.ns_newest[entry.ns_key]
         self.ns_bytes[entry.ns_key] -= entry.size
         if not self.ns_bytes[entry.ns_key]:
             del self.ns_bytes[entry.ns_key]
@@ -159,6 +161,8 @@ class DiskIndex:
     def _push(self, entry: DiskEntry, age: int) -> None:
         entry.age = age
         self._newest = max(self._newest, age)
+        if age > self.ns_newest.get(entry.ns_key, -1):
+            self.ns_newest[entry.ns_key] = age
         item = (age, next(self._n), entry)
         heapq.heappush(self._heap, item)
         self.shares.pushed(entry, item)
@@ -188,6 +192,8 @@ class DiskIndex:
             problems.append(f"used {self.used} + reserved {self.reserved} > capacity {self.capacity}")
         if any(not v for v in self.namespaces.values()):
             problems.append("empty namespace kept")
+        if self.ns_newest.keys() != self.namespaces.keys():
+            problems.append("namespace ages kept for namespaces not on disk")
         problems += self.shares.problems(flat)
         if problems:
             raise AssertionError(f"disk index: {problems}")

@@ -4,7 +4,9 @@ clock. Results go back to the daemon's loop through a wakeup pipe; the loop
 never waits on the disk.
 
 Every verb queues and returns at once. Reads go before writes (a load is
-waited for, a write-behind is not); the items of one job are shared by all
+waited for, a write-behind is not), but while both wait every fourth item
+is a write, so reads never hold writes back for good (``schedule.IOQueues``);
+the items of one job are shared by all
 workers, so one large load reads with every thread. A read job not done by
 its deadline is reported ``expired`` by the clock thread (the loop answers
 the load without those blocks) and reported again, ``done``, when its reads
@@ -34,7 +36,7 @@ import os
 import threading
 import time
 import zlib
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,7 @@ from ..waker import Inbox
 from .files import (ALIGN, OPEN_READ, buffer_address, check_file, direct_io_works, quiet_unlink, read_all, scan,
                     write_all)
 from .format import HEADER_BYTES, TMP_DIR, block_name, decode_header, encode_header, ns_dir
+from .schedule import IOQueues
 
 log = logging.getLogger("kvtier.disk")
 OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -83,8 +86,7 @@ class DiskIO:
         # tenant's namespace and block hash, so a tenant is shown its own only (guarded by the lock)
         self.tenant_errors: dict[tuple[str, str], str] = {}
         self._cv = threading.Condition(self.lock)
-        self._reads: deque = deque()
-        self._writes: deque = deque()
+        self._queues = IOQueues()            # guarded by the lock
         self._running: set = set()           # read jobs with an item being read
         self._done = Inbox()
         self._closing = False
@@ -110,18 +112,19 @@ class DiskIO:
         return os.path.join(self.root, ns_dir(ns_key), block_name(key, seq))
 
     def write(self, items: list, size: int, token) -> DiskJob:
-        return self._queue(self._writes, DiskJob("write", token, items, size))
+        return self._queue(DiskJob("write", token, items, size))
 
     def read(self, items: list, size: int, token, deadline: float) -> DiskJob:
-        job = self._queue(self._reads, DiskJob("read", token, items, size, deadline))
+        job = self._queue(DiskJob("read", token, items, size, deadline))
         with self._cv:
             heapq.heappush(self._heap, (deadline, id(job), job))
             self._cv.notify_all()  # the clock sleeps while no read is pending
         return job
 
-    def unlink(self, paths: list[str]) -> None:
+    def unlink(self, paths: list[str], ns_keys: list[str] = ()) -> None:
+        """Delete ``paths``; then, when all are gone, the directories of ``ns_keys`` if empty."""
         if paths:
-            self._queue(self._writes, DiskJob("unlink", None, list(paths)))
+            self._queue(DiskJob("unlink", [os.path.join(self.root, ns_dir(k)) for k in ns_keys], list(paths)))
 
     def scan(self) -> None:
         """Rebuild from the files (its own thread): batches of entries come back as ("scan", [..]),
@@ -140,7 +143,7 @@ class DiskIO:
         now = time.monotonic()
         with self.lock:
             return any(j.expired or now - j.started > timeout for j in self._running) or bool(
-                self._reads and self._reads[0].deadline < now)
+                self._queues.reads and self._queues.reads[0].deadline < now)
 
     def snapshot(self, tenant: str | None = None) -> tuple[dict, dict]:
         """Counters and the last error message per counter: every one (None: the operator),
@@ -162,32 +165,28 @@ class DiskIO:
             self.pool.release()  # the pool's owner may unmap it now
 
     # ---- workers -----------------------------------------------------------------------------
-    def _queue(self, q: deque, job: DiskJob) -> DiskJob:
+    def _queue(self, job: DiskJob) -> DiskJob:
         if not job.items:
             self._done.put(("done", job))
             return job
         with self._cv:
-            q.append(job)
+            self._queues.push(job)
             self._cv.notify_all()
         return job
 
     def _take(self):
-        """The next (job, item index); reads first. None when closing."""
+        """The next (job, item index) (``IOQueues``: reads first, writes not starved). None when closing."""
         with self._cv:
             while True:
                 if self._closing:
                     return None
-                for q in (self._reads, self._writes):
-                    if q:
-                        job = q[0]
-                        i = job.next
-                        job.next += 1
-                        if job.next >= len(job.items):
-                            q.popleft()
-                        if job.kind == "read" and not job.started:
-                            job.started = time.monotonic()
-                            self._running.add(job)
-                        return job, i
+                got = self._queues.take()
+                if got is not None:
+                    job = got[0]
+                    if job.kind == "read" and not job.started:
+                        job.started = time.monotonic()
+                        self._running.add(job)
+                    return got
                 self._cv.wait()
 
     def _serve(self) -> None:
@@ -214,6 +213,8 @@ class DiskIO:
                     self._running.discard(job)
             if last and job.kind != "unlink":
                 self._done.put(("done", job))
+            elif last and job.token:
+                self._remove_dirs(job.token)
 
     def _note(self, counter: str, message: str, ns_key: str = "") -> None:
         with self.lock:
@@ -251,11 +252,14 @@ class DiskIO:
             if directory not in self._dirs:
                 os.makedirs(directory, mode=0o700, exist_ok=True)
                 self._dirs.add(directory)
-            try:
-                os.rename(tmp, final)
-            except FileNotFoundError:  # its directory was removed behind our back: make it again
-                os.makedirs(directory, mode=0o700, exist_ok=True)
-                os.rename(tmp, final)
+            for attempt in range(3):
+                try:
+                    os.rename(tmp, final)
+                    break
+                except FileNotFoundError:  # its directory was removed (emptied, or behind our back): again
+                    if attempt == 2:
+                        raise
+                    os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as exc:
             job.failed.append(i)
             self._os_error(tally, f"writing {final}", exc, ns_key)
@@ -327,6 +331,15 @@ class DiskIO:
             return ""
         finally:
             dest.release()
+
+    def _remove_dirs(self, dirs: list[str]) -> None:
+        """Namespace directories emptied (ENOTEMPTY: a file came back meanwhile; keep it)."""
+        for d in dirs:
+            self._dirs.discard(d)  # a later write of this namespace makes it again
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
 
     def _unlink_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         if quiet_unlink(job.items[i]):

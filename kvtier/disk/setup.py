@@ -26,6 +26,7 @@ from .io import DiskIO
 
 log = logging.getLogger("kvtier.disk")
 QUEUE_BYTES = 256 * 2**20  # write-behind held in the pool at most (and a quarter of the pool)
+# Committed blocks beyond it wait in per-tenant backlogs naming at most the pool's size of blocks.
 
 
 def check_dir(path: str) -> str:
@@ -72,7 +73,7 @@ def open_disk(config, pool, index, send, redispatch, crcs: dict | None) -> DiskB
     root = check_dir(config.disk_path)
     io = DiskIO(root, pool, config.disk_threads)
     bridge = DiskBridge(io, DiskIndex(config.disk_size, config.tenant_share), index, send, redispatch, config.disk_timeout_s,
-                        min(QUEUE_BYTES, config.pool_size // 4), crcs)
+                        min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size)
     index.lower = bridge
     log.info("disk tier %s: %s, %d I/O threads, loads wait at most %.2fs; scanning its files",
              root, format_size(config.disk_size), config.disk_threads, config.disk_timeout_s)

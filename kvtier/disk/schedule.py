@@ -1,0 +1,185 @@
+"""The disk tier's write scheduling (sans-IO): who writes next, and what was not written.
+
+Two queues decide the order:
+
+``WriteBacklog`` (the loop thread): committed blocks waiting for room in the
+write-behind queue, one FIFO per tenant. The queue in flight is bounded
+(``queue_bytes``, its blocks pinned in the pool); blocks beyond it wait here
+instead of being dropped, and the tenants take turns: each turn hands out at
+most ``BATCH`` blocks of one tenant, so a tenant with a long backlog delays
+another's blocks by one batch per turn, never by its whole backlog. An item is
+a reference to a block in the pool (namespace, hash), not its bytes: when its
+turn comes it is written from the pool if it is still there, else counted
+``evicted``. Memory stays bounded: all tenants' backlogs together name at most
+``limit_bytes`` of blocks (the pool's size); past that, the tenant with the
+longest backlog loses its oldest item (``backlog_full``), so one tenant's
+flood costs its own blocks, not another's.
+
+``IOQueues`` (the I/O threads, under DiskIO's lock): reads go first (a load
+waits for them; a write-behind does not), but while both wait, every
+``WRITE_EVERY``-th item taken is a write: a stream of reads, another
+tenant's or a slow disk's, cannot hold writes back for good.
+
+Why a block was not written is counted per tenant: ``evicted`` (left RAM
+before its turn), ``backlog_full``, ``over_share`` (more than the tenant's
+share of ``disk_size``), ``too_long`` (namespace key too long for a header),
+``failed`` (the write failed: ENOSPC, EIO).
+
+Primitives:
+  WriteBacklog(limit_bytes)   .add(tenant, ns, keys), .take(room_bytes) -> (tenant, ns, keys) | None,
+                              .forget(ns_key), .namespaces(), .lost(tenant, why, n), .blocks, .nbytes,
+                              .of(tenant), .not_written(tenant=None)
+  IOQueues(write_every)       .push(job), .take() -> (job, index) | None, .reads, .writes
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+
+BATCH = 32        # blocks of one tenant per turn
+WRITE_EVERY = 4   # while reads and writes both wait: one write item after this many read items
+
+
+class WriteBacklog:
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self.tenants: OrderedDict[str, deque] = OrderedDict()  # turn order: the head goes next
+        self.bytes_of: Counter = Counter()   # tenant -> bytes of blocks named in its backlog
+        self.items: set = set()              # (ns key, hash) in any backlog: named once
+        self.nbytes = 0
+        self.not_written_: Counter = Counter()  # (tenant, why) -> blocks
+
+    @property
+    def blocks(self) -> int:
+        return len(self.items)
+
+    def of(self, tenant: str) -> int:
+        q = self.tenants.get(tenant)
+        return len(q) if q is not None else 0
+
+    def add(self, tenant: str, ns, keys: list[bytes]) -> None:
+        """``keys`` of ``ns`` (committed, not yet on disk) join the tenant's backlog."""
+        fp, size = ns.fingerprint, ns.block_bytes
+        q = self.tenants.get(tenant)
+        if q is None:
+            q = self.tenants[tenant] = deque()
+        for k in keys:
+            if (fp, k) not in self.items:
+                self.items.add((fp, k))
+                q.append((ns, k))
+                self.bytes_of[tenant] += size
+                self.nbytes += size
+        while self.nbytes > self.limit_bytes:  # the longest backlog pays
+            self._drop_oldest(max(self.bytes_of, key=self.bytes_of.__getitem__))
+
+    def take(self, room_bytes: int):
+        """The next turn: up to ``BATCH`` blocks of one namespace of the head tenant
+        that fit ``room_bytes``, as (tenant, ns, [hash]); None when the backlog is
+        empty or its next block does not fit (it waits for room: no overtaking)."""
+        if not self.tenants:
+            return None
+        tenant, q = next(iter(self.tenants.items()))
+        ns = q[0][0]
+        n = min(BATCH, room_bytes // ns.block_bytes)
+        if n <= 0:
+            return None
+        keys = []
+        while q and len(keys) < n and q[0][0] is ns:
+            keys.append(q.popleft()[1])
+        self._taken(tenant, ns, keys)
+        if q:
+            self.tenants.move_to_end(tenant)  # the others' turn first
+        else:
+            del self.tenants[tenant]
+        return tenant, ns, keys
+
+    def namespaces(self) -> list[str]:
+        return list({ns.fingerprint for q in self.tenants.values() for ns, _ in q})
+
+    def forget(self, ns_key: str) -> int:
+        """A flush: its blocks are gone from every tier, by policy (not counted as lost)."""
+        n = 0
+        for tenant in list(self.tenants):
+            q = self.tenants[tenant]
+            keep = deque(item for item in q if item[0].fingerprint != ns_key)
+            gone = [item for item in q if item[0].fingerprint == ns_key]
+            for ns, k in gone:
+                self._taken(tenant, ns, [k])
+            n += len(gone)
+            if keep:
+                self.tenants[tenant] = keep
+            else:
+                del self.tenants[tenant]
+        return n
+
+    def lost(self, tenant: str, why: str, n: int = 1) -> None:
+        if n:
+            self.not_written_[(tenant, why)] += n
+
+    def not_written(self, tenant: str | None = None) -> dict:
+        """{why: blocks} for ``tenant``; None: {tenant: {why: blocks}}."""
+        out: dict = {}
+        for (t, why), n in sorted(self.not_written_.items()):
+            if tenant is None:
+                out.setdefault(t, {})[why] = n
+            elif t == tenant:
+                out[why] = n
+        return out
+
+    def _drop_oldest(self, tenant: str) -> None:
+        q = self.tenants[tenant]
+        ns, k = q.popleft()
+        self._taken(tenant, ns, [k])
+        if not q:
+            del self.tenants[tenant]
+        self.lost(tenant, "backlog_full")
+
+    def _taken(self, tenant: str, ns, keys: list) -> None:
+        fp, size = ns.fingerprint, ns.block_bytes
+        self.items.difference_update((fp, k) for k in keys)
+        self.bytes_of[tenant] -= size * len(keys)
+        self.nbytes -= size * len(keys)
+        if not self.bytes_of[tenant]:
+            del self.bytes_of[tenant]
+
+    def problems(self) -> list[str]:
+        named = [(ns.fingerprint, k) for q in self.tenants.values() for ns, k in q]
+        out = []
+        if len(named) != len(self.items) or set(named) != self.items:
+            out.append("write backlog: queued items and their set disagree")
+        if any(not q for q in self.tenants.values()):
+            out.append("write backlog: an empty tenant queue kept")
+        if self.nbytes > self.limit_bytes:
+            out.append(f"write backlog: {self.nbytes} bytes > limit {self.limit_bytes}")
+        return out
+
+
+class IOQueues:
+    """Read and write jobs; a job's items are handed out one at a time (shared by all threads)."""
+
+    def __init__(self, write_every: int = WRITE_EVERY):
+        self.write_every = write_every
+        self.reads: deque = deque()
+        self.writes: deque = deque()   # writes and unlinks
+        self._reads_in_a_row = 0
+
+    def push(self, job) -> None:
+        (self.reads if job.kind == "read" else self.writes).append(job)
+
+    def __bool__(self) -> bool:
+        return bool(self.reads or self.writes)
+
+    def take(self):
+        """The next (job, item index), or None when both are empty."""
+        q = self.reads
+        if not q or (self.writes and self._reads_in_a_row >= self.write_every):
+            q = self.writes or self.reads
+        if not q:
+            return None
+        job = q[0]
+        i = job.next
+        job.next += 1
+        if job.next >= len(job.items):
+            q.popleft()
+        self._reads_in_a_row = self._reads_in_a_row + 1 if q is self.reads else 0
+        return job, i
