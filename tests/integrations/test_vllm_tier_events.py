@@ -9,6 +9,12 @@ publisher is in ``test_vllm_events.py``.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 
 import msgpack
@@ -21,6 +27,7 @@ from kvtier.integrations.vllm.groups import TierGroup  # noqa: E402
 from kvtier.integrations.vllm.manager import KVTierManager  # noqa: E402
 from kvtier.integrations.vllm.naming import kvtier_key  # noqa: E402
 from kvtier.integrations.vllm.worker import KVTierWorker  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 from tests.integrations.test_vllm_worker import K, LAYERS, NS, PAGE, canonical_caches, finished, gpu_spec  # noqa: E402
 
 def offload_keys(n: int, salt: int = 0) -> list[bytes]:
@@ -130,7 +137,7 @@ def test_a_forged_or_foreign_message_on_the_event_socket_never_reaches_the_engin
     try:
         key = offload_keys(1, salt=3)[0]
         ours = NS.fingerprint().encode()
-        good = msgpack.packb({"seq": 3, "events": [["removed", kvtier_key(key)]]})
+        good = msgpack.packb({"seq": 3, "tenant": "t", "events": [["removed", kvtier_key(key)]]})
         got, deadline = [], time.monotonic() + 30
         while not got:  # PUB drops until the subscription arrived: resend until it counts
             assert time.monotonic() < deadline
@@ -139,8 +146,169 @@ def test_a_forged_or_foreign_message_on_the_event_socket_never_reaches_the_engin
                            [ours, msgpack.packb({"events": [["removed", None], "junk"]})], [ours, good]):
                 pub.send_multipart(frames)
             time.sleep(0.05)
-            got = feed.removed()
+            got = [k for _, events in feed.messages() for kind, k in events if kind == "removed"]
         assert set(got) == {kvtier_key(key)}
     finally:
         feed.close()
         pub.close(0)
+
+
+# ---- issue 30, rows 12-13: whose blocks, and which copy ------------------------------------
+def test_feed_messages_of_another_tenant_or_of_one_copy_never_remove_a_chunk():
+    """Sans-IO: the feed's messages name a tenant; only this engine's count. A RAM
+    eviction of a block whose disk copy is complete leaves it a hit; the chunk is
+    removed when the disk copy goes too."""
+    class Feed:
+        def __init__(self):
+            self.queue = []
+
+        def messages(self):
+            out, self.queue = self.queue, []
+            return out
+
+        def close(self):
+            pass
+    feed = Feed()
+    ev = TierEvents(True, feed, tenant=lambda: "a")
+    keys = offload_keys(2, salt=7)
+    ev.stored(keys)
+    ev.take()
+    k0, k1 = (kvtier_key(k) for k in keys)
+    feed.queue = [("b", [("removed", k0), ("removed", k1)])]  # tenant b's namespace, same fingerprint
+    assert ev.take() == []
+    feed.queue = [("a", [("disk_stored", k0), ("removed", k0), ("removed", k1)])]
+    (gone,) = ev.take()
+    assert gone.removed and gone.keys == keys[1:]  # k1 had no disk copy; k0 still has one
+    feed.queue = [("a", [("disk_removed", k0)])]
+    (gone,) = ev.take()
+    assert gone.removed and gone.keys == keys[:1]
+
+
+def watch(endpoint: str):
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, NS.fingerprint().encode())
+    sub.connect(endpoint if "://" in endpoint else "ipc://" + endpoint)
+    return sub
+
+
+def seen(sub, want, timeout: float = 30.0) -> bool:
+    """Read the watcher until ``want(tenant, kind, key)`` held for some event."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sub.poll(100):
+            body = msgpack.unpackb(sub.recv_multipart()[1])
+            if any(want(body["tenant"], kind, k) for kind, k in body["events"]):
+                return True
+    return False
+
+
+def drained(manager) -> list:
+    """Everything the manager reports once its feed has nothing more to read."""
+    feed = manager.events.feeds[0].sub
+    assert feed.poll(30_000)  # the messages the watcher saw reach this feed too
+    got = []
+    while True:
+        got.extend(manager.take_events())
+        if not feed.poll(500):
+            return got + list(manager.take_events())
+
+
+TENANT_B = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from kvtier.client import Client
+from kvtier.integrations.vllm.groups import TierGroup
+from kvtier.integrations.vllm.manager import KVTierManager
+from kvtier.integrations.vllm.worker import KVTierWorker
+from tests.integrations.test_vllm_tier_events import offload_keys, store
+from tests.integrations.test_vllm_worker import K, LAYERS, NS, PAGE, canonical_caches
+from tests.privileges import drop_to
+drop_to({uid})
+sock = sys.argv[1]
+worker = KVTierWorker(canonical_caches(seed=5)[0], NS, K, sock, name="tenant-b-worker")
+manager = KVTierManager([TierGroup(0, NS, LAYERS * PAGE)], K, sock, name="tenant-b-scheduler")
+store(worker, manager, offload_keys(3, salt=12), job=1)  # the same chunks, in its own namespace
+with Client(sock, name="tenant-b") as c:
+    print(json.dumps({{"flushed": c.flush(NS)}}))
+manager.shutdown(); worker.shutdown()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the other tenant runs as another uid")
+def test_another_tenant_flushing_its_namespace_of_the_same_fingerprint_removes_nothing_of_ours(tmp_path):
+    """Tenant B (another uid) stores the same chunks under the same fingerprint
+    and flushes its own namespace. Before: A's engine reported all of A's
+    chunks removed while A still hit them. After: nothing."""
+    from tests.conftest import DaemonProc
+    from tests.daemon.test_tenants import ATTACKER
+    run = tempfile.mkdtemp(prefix="kvt-vllm-tenants-")
+    os.chmod(run, 0o755)
+    endpoint = str(tmp_path / "events.sock")
+    d = DaemonProc(tmp_path, env={"KVTIER_SOCKET_MODE": "666"}, extra=["--events", endpoint],
+                   socket=os.path.join(run, "kvtier.sock"))
+    watcher = watch(endpoint)
+    caches, _ = canonical_caches(seed=3)
+    worker = KVTierWorker(caches, NS, K, d.socket, name="tenant-a-worker")
+    manager = KVTierManager([TierGroup(0, NS, LAYERS * PAGE)], K, d.socket, name="tenant-a-scheduler",
+                            events=TierEvents(True, DaemonFeed(endpoint, NS.fingerprint())))
+    try:
+        keys = offload_keys(3, salt=12)
+        store(worker, manager, keys, job=1)
+        (stored,) = manager.take_events()
+        assert not stored.removed
+        out = subprocess.run([sys.executable, "-c", TENANT_B.format(repo=REPO, uid=ATTACKER), d.socket],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert json.loads(out.stdout)["flushed"] == 3  # its own 3 chunks
+        assert seen(watcher, lambda tenant, kind, k: kind == "removed" and tenant != "uid0")
+        reported = drained(manager)
+        print(f"\nafter tenant B's flush, A's engine reported: {[(e.removed, len(e.keys)) for e in reported]}")
+        assert not any(e.removed for e in reported)
+        manager.prefetch("r2", keys)
+        assert all(manager.lookup(k, req("r2")) == vllm_base.LookupResult.HIT for k in keys)
+    finally:
+        watcher.close(0)
+        manager.shutdown()
+        worker.shutdown()
+        d.stop()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_a_ram_eviction_of_a_block_on_disk_is_not_announced_as_removed(daemon_factory, tmp_path):
+    """With the disk tier, A's chunks reach the disk, then another engine's stores
+    evict them from RAM: lookups still hit (from disk), so nothing is removed.
+    Before: every chunk was reported removed. Once the disk copy goes too
+    (an operator's flush), they are."""
+    from tests.daemon.test_disk_tier import disk_env, evict_ram, written
+    from tests.helpers import NS as OTHER_NS, make_kv
+    endpoint = str(tmp_path / "events.sock")
+    d = daemon_factory(pool_size="2MiB", slab_size="1MiB", env=disk_env(tmp_path / "disk", "16MiB"),
+                       extra=["--events", endpoint])
+    watcher = watch(endpoint)
+    caches, _ = canonical_caches(seed=3)
+    worker = KVTierWorker(caches, NS, K, d.socket, name="vllm-worker-disk")
+    manager = KVTierManager([TierGroup(0, NS, LAYERS * PAGE)], K, d.socket, name="vllm-scheduler-disk",
+                            events=TierEvents(True, DaemonFeed(endpoint, NS.fingerprint())))
+    kv = make_kv(seed=4)
+    try:
+        keys = offload_keys(3, salt=13)
+        store(worker, manager, keys, job=1)
+        assert written(d, 3)
+        with d.client(name="other-engine") as c:
+            c.register_kv_cache(kv, [0] * 4, OTHER_NS)
+            evict_ram(d, c, range(100, 108))
+        assert seen(watcher, lambda tenant, kind, k: kind == "removed")  # A's blocks left RAM
+        reported = drained(manager)
+        print(f"\nafter A's chunks left RAM (still on disk): {[(e.removed, len(e.keys)) for e in reported]}")
+        assert not any(e.removed for e in reported)
+        manager.prefetch("r3", keys)
+        assert all(manager.lookup(k, req("r3")) == vllm_base.LookupResult.HIT for k in keys)
+        with d.client(name="operator") as c:
+            c.flush(NS)
+        assert sorted(k for e in events_of(manager, 1) for k in e.keys if e.removed) == sorted(keys)
+    finally:
+        watcher.close(0)
+        manager.shutdown()
+        worker.shutdown()
+        kv.close()

@@ -9,18 +9,25 @@ announces its blocks: medium ``CPU``, locality ``LOCAL``, as the primary tier.
 * **Stored**: a chunk this engine stored (``complete_store``), or found by a
   lookup (stored by another engine on the node, or by an earlier process):
   from then on this engine can load it. Each chunk is announced once.
-* **Removed**: an announced chunk the pool no longer holds (with head
-  slices, ``slices.py``: once any of its slices is gone). Learnt two ways:
-  a lookup that misses it (always available), and, where the engine can read
-  the daemon's block event stream (``kvtier_events`` in
-  ``kv_connector_extra_config``; operators only), the daemon's own
-  ``removed`` events for this namespace (evictions, flushes), as they happen.
+* **Removed**: an announced chunk kvtier no longer holds in any tier (with
+  head slices, ``slices.py``: once any of its slices is gone). Learnt two
+  ways: a lookup that misses it (always available), and, where the engine
+  can read the daemon's block event stream (``kvtier_events`` in
+  ``kv_connector_extra_config``; operators only), the daemon's own events
+  for this namespace of this engine's tenant, as they happen. Another
+  tenant's namespace with the same fingerprint is on the same topic: its
+  messages are told apart by their ``tenant`` (this engine's own, learnt
+  from the daemon once its first message arrives). With the disk tier a
+  block has two copies: a RAM eviction (``removed``) of a block whose file
+  is complete (``disk_stored``) is still a hit, so a chunk is removed once
+  neither copy is left.
 
 Nothing is queued unless vLLM publishes KV events (it drains ``take`` only
 then). A hybrid model's groups are separate namespaces, so each has its own
 feed and layout, and a chunk is known by its group and kvtier key.
-Primitives: ``TierEvents(enabled, feed, slices)`` with ``stored``,
-``missing``, ``take``, ``close``; ``DaemonFeed(endpoint, fingerprint)``.
+Primitives: ``TierEvents(enabled, feed, slices, tenant)`` with ``stored``,
+``missing``, ``take``, ``close``; ``DaemonFeed(endpoint, fingerprint)`` with
+``messages() -> [(tenant, [(kind, key)])]``; ``own_tenant(client)``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ from .slices import PER_RANK, KVSlices
 log = logging.getLogger("kvtier.vllm")
 
 
+# The daemon's event kinds: which copy of a block appeared or went.
+TIER = {"stored": ("ram", True), "removed": ("ram", False), "disk_stored": ("disk", True),
+        "disk_removed": ("disk", False)}
+
+
 class DaemonFeed:
     """The daemon's block events for one namespace fingerprint, read without blocking."""
 
@@ -52,9 +64,10 @@ class DaemonFeed:
         self.sub.connect(endpoint if "://" in endpoint else f"ipc://{endpoint}")
         self.fingerprint = fingerprint.encode()
 
-    def removed(self) -> list[bytes]:
-        """kvtier keys the daemon dropped from this namespace since the last call."""
-        out: list[bytes] = []
+    def messages(self) -> list[tuple[str, list[tuple[str, bytes]]]]:
+        """(tenant, [(kind, kvtier key)]) of each message on this fingerprint since the last
+        call: every tenant's namespace with this fingerprint publishes on the same topic."""
+        out: list = []
         for _ in range(self.MAX_PER_TAKE):
             try:
                 topic, body = self.sub.recv_multipart(zmq.NOBLOCK)
@@ -63,8 +76,9 @@ class DaemonFeed:
             if topic != self.fingerprint:  # SUBSCRIBE matches prefixes
                 continue
             try:
-                events = msgpack.unpackb(body, raw=False)["events"]
-                out.extend([k for kind, k in events if kind == "removed" and isinstance(k, bytes)])
+                msg = msgpack.unpackb(body, raw=False)
+                events = [(kind, k) for kind, k in msg["events"] if kind in TIER and isinstance(k, bytes)]
+                out.append((str(msg["tenant"]), events))
             except Exception as exc:  # a malformed message is skipped whole, never fatal to the engine
                 log.warning("kvtier: unreadable block event from the daemon: %s", exc)
         return out
@@ -73,16 +87,26 @@ class DaemonFeed:
         self.sub.close(0)
 
 
+def own_tenant(client) -> str | None:
+    """This connection's tenant, as the daemon's stats list it (a client sees its tenant's rows)."""
+    me = client.client_id
+    return next((row["tenant"] for row in client.stats()["clients"] if row["id"] == me), None)
+
+
 class TierEvents:
     def __init__(self, enabled: bool, feed: DaemonFeed | dict[int, DaemonFeed] | None = None,
-                 slices: KVSlices | dict[int, KVSlices] = PER_RANK):
-        """``feed``, ``slices``: group 0's, or one per group index (a hybrid model)."""
+                 slices: KVSlices | dict[int, KVSlices] = PER_RANK, tenant=None):
+        """``feed``, ``slices``: group 0's, or one per group index (a hybrid model).
+        ``tenant``: this engine's tenant, or a callable that asks the daemon (None
+        while it cannot say: the feed's messages are then skipped, lookups still count)."""
         self.enabled = enabled
         feeds = feed if isinstance(feed, dict) else ({0: feed} if feed is not None else {})
         self.feeds: dict[int, DaemonFeed] = feeds if enabled else {}
         # head slices: the daemon reports each slice's key (slices.py)
         self.slices: dict[int, KVSlices] = slices if isinstance(slices, dict) else {0: slices}
         self._announced: dict[tuple[int, bytes], OffloadKey] = {}  # (group, slice's kvtier key) -> vLLM key
+        self._copies: dict[tuple[int, bytes], set] = {}  # announced slice -> tiers seen holding it ("ram", "disk")
+        self.tenant = tenant
         self._pending: list[tuple[bool, OffloadKey]] = []  # (removed, key), in the order it happened
 
     def _slice_keys(self, key: OffloadKey) -> list[tuple[int, bytes]]:
@@ -110,14 +134,45 @@ class TierEvents:
             if key is not None:
                 for sibling in self._slice_keys(key):
                     self._announced.pop(sibling, None)
+                    self._copies.pop(sibling, None)
                 self._pending.append((True, key))
+
+    def _own_tenant(self) -> str | None:
+        if callable(self.tenant):
+            try:
+                found = self.tenant()
+            except Exception as exc:  # the daemon is away: try again with the next message
+                log.debug("kvtier: cannot learn this engine's tenant yet: %s", exc)
+                return None
+            if found is not None:
+                self.tenant = found
+            return found
+        return self.tenant
+
+    def _apply(self, group: int, events: list[tuple[str, bytes]]) -> None:
+        """The daemon's events for this engine's namespace: a chunk goes once no tier holds it."""
+        gone = []
+        for kind, k in events:
+            chunk = (group, k)
+            if chunk not in self._announced:
+                continue
+            tier, present = TIER[kind]
+            copies = self._copies.setdefault(chunk, {"ram"})  # announced: stored, or found by a lookup
+            (copies.add if present else copies.discard)(tier)
+            if not copies:
+                gone.append(chunk)
+        self._drop(gone)
 
     def take(self) -> list[OffloadingEvent]:
         """One event per run of stores or removals, in the order they happened."""
         if not self.enabled:
             return []
         for group, feed in self.feeds.items():
-            self._drop((group, h) for h in feed.removed())
+            messages = feed.messages()
+            tenant = self._own_tenant() if messages else None
+            for owner, events in messages:
+                if owner == tenant:  # another tenant's namespace of the same fingerprint is not ours
+                    self._apply(group, events)
         out: list[OffloadingEvent] = []
         for removed, key in self._pending:
             if not out or out[-1].removed != removed:

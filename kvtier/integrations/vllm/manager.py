@@ -50,7 +50,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client import Client, KVTierError, ShmKVCache
-from .events import TierEvents
+from .events import TierEvents, own_tenant
 from .groups import TierGroup
 from .naming import kvtier_key
 
@@ -132,6 +132,8 @@ class KVTierManager(OffloadingManager):
         # of their own in the group's namespace (``Client.share``).
         first = Client(socket, name=name, require_daemon=False)
         clients = [first] + [first.share() for _ in groups[1:]]
+        if self.events.tenant is None:  # the daemon's events name their tenant: this engine's, asked once
+            self.events.tenant = lambda: own_tenant(first)
         self.groups = {g.group_idx: _GroupLookup(g, blocks_per_chunk, c) for g, c in zip(groups, clients)}
         self._position = {g.group_idx: i for i, g in enumerate(groups)}
         self._answers: dict[OffloadKey, bool] = {}   # this step's lookups
