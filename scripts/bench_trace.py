@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""A public serving trace through real daemons and real engine processes.
+
+    python scripts/bench_trace.py [--trace FILE] [--requests N] [--capacities 0.02,0.05,0.1,0.2,0.4]
+                                  [--engines 4] [--scenarios shared-spread,private-spread,...]
+                                  [--block-bytes 16KiB] [--verify-every 8] [--json FILE]
+
+Each request of the trace (``../shared/traces/README.md``: one id per
+prefix-chained block) goes, in trace order, to one of ``--engines`` engine
+processes. The engine does what a serving engine does with kvtier: a lookup
+of the request's block keys, a load of the hit prefix into its paged cache
+(every ``--verify-every``-th loaded block checked byte for byte against the
+bytes its id stands for), then a store of the rest. One trace block is one
+kvtier block of ``--block-bytes``. Requests go one at a time (the next is
+sent once the last one's store is committed), so a run is deterministic
+and comparable with the in-process references computed on the same
+sequence (``tracesim.py``): an infinite cache, kvtier's LRU order, and the
+offline bound (Belady).
+
+Capacity is a share of the working set (the distinct blocks the replayed
+requests name); each daemon's pool is sized to whole slabs of 16 blocks
+and holds the capacity rounded up to 16 (printed). Scenarios:
+  shared-spread    one daemon of capacity C; requests round robin over the engines
+                   (a load balancer without session affinity)
+  private-spread   one daemon of C/E per engine (each engine its own tier), round robin
+  shared-sticky    one daemon of C; a request goes to the engine of its first block
+                   (prefix-affinity routing: a conversation or document stays on one engine)
+  private-sticky   private daemons of C/E, sticky routing
+  disk             shared-spread plus the disk tier at 10x the pool
+Printed per scenario and capacity: the hit ratio (blocks loaded over blocks
+requested), the daemon's own hit count, the references, lookup/load/store
+p50/p99 and requests/s. Hit ratios do not depend on the machine; latencies
+do (one request at a time, engines and daemons on the same cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import benchlib as bl
+import tracesim
+
+SCENARIOS = ("shared-spread", "private-spread", "shared-sticky", "private-sticky", "disk")
+SLAB_BLOCKS = 16
+
+
+def key_of(block_id: int) -> bytes:
+    """The kvtier key of a trace block: the same in every engine process."""
+    return hashlib.blake2b(block_id.to_bytes(8, "little", signed=True), digest_size=16).digest()
+
+
+# ---- an engine process ----------------------------------------------------------------
+def engine_main(index: int, sockets: list[str], block_bytes: int, max_blocks: int, verify_every: int,
+                conn) -> None:
+    """One engine: its own paged cache and client. Commands over ``conn``:
+    ("req", ids) -> (hit, verified, bad, lookup_s, load_s, store_s); None to stop."""
+    import traceback
+
+    import torch
+
+    from kvtier.client import Client, Namespace, ShmKVCache
+
+    torch.set_num_threads(1)
+    try:
+        kv = ShmKVCache([(max_blocks, block_bytes // 2)], torch.float16)
+        words = kv.tensors[0].view(torch.int64)  # block j of a request lives in engine block j
+        client = Client(sockets[index % len(sockets)], name=f"trace-engine-{index}", timeout=60,
+                        transfer_timeout=600)
+        client.register_kv_cache(kv, [0], Namespace("bench-trace", "float16", "trace", 512))
+        conn.send(("up", None))
+        while (cmd := conn.recv()) is not None:
+            ids = cmd[1]
+            keys = [key_of(b) for b in ids]
+            t0 = time.perf_counter()
+            hit = client.lookup(keys)
+            t1 = time.perf_counter()
+            verified = bad = 0
+            if hit:
+                words[:hit].fill_(-1)
+                res = client.load(keys[:hit], list(range(hit))).wait()
+                if res.failed:  # evicted between lookup and load: the hit ends at the first failure
+                    hit = min(res.failed)
+                for j in range(0, hit, verify_every):
+                    verified += 1
+                    bad += int(not bool((words[j] == ids[j]).all()))
+            t2 = time.perf_counter()
+            for j in range(hit, len(ids)):  # "prefill": the block's bytes stand for its id
+                words[j].fill_(ids[j])
+            res = client.store(keys[hit:], list(range(hit, len(ids)))).wait() if hit < len(ids) else None
+            t3 = time.perf_counter()
+            if res is not None and not res.ok:
+                raise RuntimeError(f"store failed: {res}")
+            conn.send(("ok", (hit, verified, bad, t1 - t0, t2 - t1 if hit else None,
+                              t3 - t2 if res is not None else None)))
+        client.close()
+        kv.close()
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+# ---- one scenario at one capacity ------------------------------------------------------
+def route(chains: list[list[int]], engines: int, sticky: bool) -> list[int]:
+    if sticky:
+        return [int.from_bytes(key_of(c[0])[:4], "little") % engines if c else 0 for c in chains]
+    return [i % engines for i in range(len(chains))]
+
+
+def run_scenario(name: str, chains: list[list[int]], capacity: int, args) -> dict:
+    from kvtier.client import Client
+    from kvtier.demo.daemon_proc import PrivateDaemon
+
+    private = name.startswith("private")
+    sticky = name.endswith("sticky")
+    per_daemon = -(-capacity // args.engines) if private else capacity
+    slabs = max(1, -(-per_daemon // SLAB_BLOCKS))
+    slab = SLAB_BLOCKS * args.block_bytes
+    extra, disk_dir = ["--config", os.devnull], None
+    if name == "disk":
+        disk_dir = tempfile.mkdtemp(prefix="kvtier-trace-disk-")
+    daemons, engines, pipes = [], [], []
+    env = {"OMP_NUM_THREADS": "1"}
+    if disk_dir:
+        env.update(KVTIER_DISK_PATH=disk_dir, KVTIER_DISK_SIZE=str(max(2**20, 10 * slabs * slab)))
+    try:
+        for _ in range(args.engines if private else 1):
+            daemons.append(PrivateDaemon(pool_size=str(slabs * slab), slab_size=str(slab), extra=tuple(extra),
+                                         env=env))
+        sockets = [d.socket for d in daemons]
+        ctx = mp.get_context("spawn")
+        for i in range(args.engines):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=engine_main, args=(i, sockets, args.block_bytes,
+                                                      max(len(c) for c in chains), args.verify_every, theirs),
+                            daemon=True)
+            p.start()
+            engines.append(p)
+            pipes.append(ours)
+        for conn in pipes:
+            _answer(conn)
+        hits = verified = bad = 0
+        lat = {"lookup": [], "load": [], "store": []}
+        t0 = time.perf_counter()
+        for ids, e in zip(chains, route(chains, args.engines, sticky)):
+            pipes[e].send(("req", ids))
+            h, v, b, lk, ld, st = _answer(pipes[e])
+            hits, verified, bad = hits + h, verified + v, bad + b
+            for k, x in (("lookup", lk), ("load", ld), ("store", st)):
+                if x is not None:
+                    lat[k].append(x)
+        wall = time.perf_counter() - t0
+        daemon_hits = held = 0
+        disk: dict = {}
+        for d in daemons:
+            with Client(d.socket, heartbeat=False, name="trace-stats") as c:
+                s = c.stats()
+            daemon_hits += s["totals"]["hits"]
+            held += sum(ns["blocks"] for ns in s["namespaces"])
+            if s.get("disk", {}).get("enabled"):  # what reached the disk, and what did not and why
+                disk = {k: v for k, v in s["disk"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        refs = tracesim.references(chains)
+        row = {"scenario": name, "capacity_blocks": capacity, "daemons": len(daemons),
+               "pool_blocks_each": slabs * SLAB_BLOCKS, "hit_ratio": hits / refs, "daemon_hits": daemon_hits,
+               "references": refs, "verified_blocks": verified, "bad_blocks": bad, "blocks_held_at_end": held,
+               "requests_per_s": len(chains) / wall, "disk": disk}
+        for k, xs in lat.items():
+            row[f"{k}_p50_ms"] = round(bl.pct(xs, 50) * 1e3, 3) if xs else None
+            row[f"{k}_p99_ms"] = round(bl.pct(xs, 99) * 1e3, 3) if xs else None
+        return row
+    finally:
+        for conn in pipes:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for p in engines:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        for d in daemons:
+            d.stop()
+        if disk_dir:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def _answer(conn):
+    status, value = conn.recv()
+    if status == "error":
+        raise SystemExit(f"engine process failed:\n{value}")
+    return value
+
+
+def references_for(name: str, chains: list[list[int]], pool_blocks: int, engines: int) -> dict:
+    """In-process hit ratios on exactly the sequence(s) the scenario's daemons see,
+    with the blocks each daemon's pool really holds."""
+    if not name.startswith("private"):
+        groups = [chains]
+    else:
+        routes = route(chains, engines, name.endswith("sticky"))
+        groups = [[c for c, e in zip(chains, routes) if e == i] for i in range(engines)]
+    caps = [pool_blocks] * len(groups)
+    refs = tracesim.references(chains)
+    out = {}
+    for policy in ("lru", "belady"):
+        out[policy] = sum(tracesim.hit_ratio(policy, cap, g) * tracesim.references(g)
+                          for g, cap in zip(groups, caps)) / refs
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", default=tracesim.DEFAULT_TRACE)
+    ap.add_argument("--requests", type=int, default=0, help="the first N requests (0: all)")
+    ap.add_argument("--capacities", default="0.02,0.05,0.1,0.2,0.4")
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--block-bytes", type=bl.parse_size, default=16 * 1024)
+    ap.add_argument("--verify-every", type=int, default=8)
+    bl.add_json_flag(ap)
+    args = ap.parse_args(argv)
+    bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
+    if bad:
+        raise SystemExit(f"unknown scenarios {bad}; choose from {SCENARIOS}")
+    if args.block_bytes % 256 or args.block_bytes < 256:
+        raise SystemExit("--block-bytes must be a multiple of 256")
+    chains = [r["hash_ids"] for r in tracesim.load_trace(args.trace, args.requests)]
+    ws = tracesim.working_set(chains)
+    infinite = tracesim.hit_ratio("infinite", 0, chains)
+    rows = []
+    for share in (float(x) for x in args.capacities.split(",")):
+        capacity = max(1, int(ws * share))
+        for name in args.scenarios.split(","):
+            row = run_scenario(name, chains, capacity, args)
+            refs = references_for(name, chains, row["pool_blocks_each"], args.engines)
+            row.update(capacity=share, infinite=infinite, sim_lru=refs["lru"], sim_belady=refs["belady"])
+            rows.append(row)
+            print(f"{share:>5.0%} {name:<15} hit {row['hit_ratio']:.3f} (lru sim {refs['lru']:.3f}, "
+                  f"bound {refs['belady']:.3f}, infinite {infinite:.3f})  {row['requests_per_s']:.0f} req/s",
+                  file=sys.stderr, flush=True)
+    report = {"trace": os.path.basename(args.trace), "requests": len(chains), "working_set_blocks": ws,
+              "engines": args.engines, "block_bytes": args.block_bytes, "rows": rows,
+              "machine": bl.machine_notes()}
+    table = bl.table(
+        ["capacity", "scenario", "pool blocks", "hit ratio", "LRU sim", "bound", "daemon hits", "bad",
+         "lookup p50/p99 ms", "load p50/p99 ms", "store p50/p99 ms", "req/s"],
+        [[f"{r['capacity']:.0%}", r["scenario"], f"{r['daemons']}x{r['pool_blocks_each']}",
+          f"{r['hit_ratio']:.3f}", f"{r['sim_lru']:.3f}", f"{r['sim_belady']:.3f}", r["daemon_hits"],
+          r["bad_blocks"], f"{r['lookup_p50_ms']}/{r['lookup_p99_ms']}", f"{r['load_p50_ms']}/{r['load_p99_ms']}",
+          f"{r['store_p50_ms']}/{r['store_p99_ms']}", round(r["requests_per_s"])] for r in rows],
+        f"{report['trace']}: {len(chains)} requests, working set {ws} blocks of {bl.short_size(args.block_bytes)}, "
+        f"{args.engines} engines; infinite-cache hit ratio {infinite:.3f}")
+    bl.emit(report, [table], args.json)
+    return 1 if any(r["bad_blocks"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
