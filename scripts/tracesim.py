@@ -3,7 +3,7 @@
 
     python scripts/tracesim.py [--trace FILE] [--capacities 0.01,0.02,0.05,0.1,0.2,0.4]
                                [--policies lru,lru2,lrfu,arc,lfu,oracle-ever,oracle-count,belady]
-                               [--requests N] [--json FILE]
+                               [--requests N] [--start K] [--json FILE]
 
 A trace is one request per line, ``{"timestamp": ms, "hash_ids": [...]}``, each
 id one prefix-chained block (``../shared/traces/README.md``). Each request
@@ -43,13 +43,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRACE = os.path.join(os.path.dirname(REPO), "shared", "traces", "mooncake_synthetic.jsonl")
 
 
-def load_trace(path: str, limit: int = 0) -> list[dict]:
-    """The trace's requests in order (the first ``limit`` if > 0)."""
+def load_trace(path: str, limit: int = 0, start: int = 0) -> list[dict]:
+    """The trace's requests in order, from request ``start`` (the first ``limit`` of them if > 0)."""
     with open(path) as f:
         reqs = [json.loads(line) for line in f if line.strip()]
     for i, r in enumerate(reqs):
         if not isinstance(r.get("hash_ids"), list) or not all(isinstance(h, int) for h in r["hash_ids"]):
             raise SystemExit(f"{path}: request {i} has no list of integer hash_ids")
+    reqs = reqs[start:]
     return reqs[:limit] if limit > 0 else reqs
 
 
@@ -282,10 +283,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=DEFAULT_TRACE)
     ap.add_argument("--capacities", default="0.01,0.02,0.05,0.1,0.2,0.4")
     ap.add_argument("--policies", default="lru,lru2,lrfu,arc,lfu,oracle-ever,oracle-count,belady")
-    ap.add_argument("--requests", type=int, default=0, help="replay only the first N requests")
+    ap.add_argument("--requests", type=int, default=0, help="replay only N requests")
+    ap.add_argument("--start", type=int, default=0, help="from request START (a later part of the trace)")
     ap.add_argument("--json", default="", help="also write the table as JSON to this file")
     args = ap.parse_args(argv)
-    chains = [r["hash_ids"] for r in load_trace(args.trace, args.requests)]
+    chains = [r["hash_ids"] for r in load_trace(args.trace, args.requests, args.start)]
     ws = working_set(chains)
     policies = args.policies.split(",")
     print(f"{os.path.basename(args.trace)}: {len(chains)} requests, working set {ws} blocks, "
