@@ -297,3 +297,36 @@ def test_an_engine_gets_its_kv_memory_back_once_the_daemon_let_go(gpu_daemon):
         time.sleep(0.1)
     held = torch.cuda.memory_allocated() - baseline
     assert held <= 0, f"{held >> 20} MiB of the engine's KV still held after the daemon let go"
+
+
+def test_a_copy_that_fails_part_way_leaves_nothing_of_it_in_flight():
+    """The daemon's copy engine, in this process: an op whose copy routine raises
+    (as out-of-memory in the kernel path's temporaries would) after it queued
+    copies behind a long kernel. When the error reaches the daemon, the op is
+    reported failed and its slots reused: nothing of it may still be queued."""
+    from kvtier.transfer.gpu import GpuContext
+    from kvtier.transfer.layout import KVLayout
+    pool = torch.zeros(32 << 20, dtype=torch.uint8)
+    ctx = GpuContext(pool, 16 << 20, "dma")
+    try:
+        while ctx.pinned.pinning:  # pinned: a copy into it is asynchronous (pageable memory would block)
+            time.sleep(0.01)
+        assert ctx.pinned.complete
+        kv = torch.randn(NB, 1 << 15, device="cuda").half()  # 64 KiB blocks
+        torch.cuda.synchronize()
+        engine = ctx.engine(KVLayout([kv], [0]), 0)
+        real_dma, calls = engine.runs.dma, []
+
+        def dma_then_fail(pool_, runs, to_pool):
+            calls.append(len(runs))
+            torch.cuda._sleep(SPIN)  # on the engine's stream: the first copy waits behind it
+            real_dma(pool_, runs, to_pool)
+            raise RuntimeError("injected: a later copy of the op could not be queued")
+        engine.runs.dma = dma_then_fail
+        pairs = [(0, 3), (1 << 20, 9)]  # (pool offset, engine block): two runs, not adjacent
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.copy(pool, pairs, True)
+        assert calls and engine.stream.query(), "the failed op's queued copy was still in flight"
+        assert torch.equal(pool[:1 << 16], kv[3].cpu().view(torch.uint8).reshape(-1))  # and it had landed
+    finally:
+        ctx.close()
