@@ -14,10 +14,10 @@ timed in alternation (benchlib.round_robin) so all see the same machine:
 
 Prints microseconds per store (prepare + complete) or per lookup, median of reps.
 
-``--baseline DIR`` instead compares the two "off" store cases of this
-checkout with those of another (a worktree of the commit before tenant_share:
-what the always-on byte counters cost), one process per side, alternating
-for ``--rounds`` rounds.
+``--baseline DIR`` instead compares the "off" cases (the two store cases and
+the lookup hit) of this checkout with those of another (a worktree or an
+export of an earlier commit: what the accounting costs with the share off),
+one process per side, alternating for ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -83,13 +83,16 @@ def lookup_case(pool: int, share: float, lookups: int):
 
 
 def off_only(args) -> int:
-    """One side of --baseline: the off store cases of whichever kvtier is first on sys.path."""
+    """One side of --baseline: the off cases (stores, a lookup hit) of whichever
+    kvtier is first on sys.path."""
     pool = args.pool_mib * 2**20
     cases = {name: store_case(pool, 1.0, tenants, args.stores)[0]
              for name, tenants in (("two tenants, off", "two"), ("flood, off", "one"))}
+    cases["lookup hit, off"] = lookup_case(pool, 1.0, args.stores * 10)[0]
+    per = {name: args.stores * (10 if name.startswith("lookup") else 1) for name in cases}
     times = round_robin(cases, args.min_time)
     import kvtier.pool.index
-    print(json.dumps({name: median(ts) / args.stores * 1e6 for name, ts in times.items()}))
+    print(json.dumps({name: median(ts) / per[name] * 1e6 for name, ts in times.items()}))
     print(kvtier.pool.index.__file__, file=sys.stderr)  # which checkout was measured
     return 0
 
@@ -106,11 +109,17 @@ def versus(args) -> int:
             got = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             for name, us in got.items():
                 out.setdefault(name, {}).setdefault(side, []).append(us)
+    # On a busy box the load drifts between rounds: each round's two processes ran
+    # back to back, so the median of the per-round ratios is the steadier figure,
+    # and the fastest process of each side the least disturbed one.
     rows = [[name, round(median(v["baseline"]), 2), round(median(v["this"]), 2),
-             round(median(v["this"]) / median(v["baseline"]), 3)] for name, v in out.items()]
+             round(median(v["this"]) / median(v["baseline"]), 3),
+             round(median([t / b for t, b in zip(v["this"], v["baseline"])]), 3),
+             round(min(v["this"]) / min(v["baseline"]), 3)] for name, v in out.items()]
     emit({"machine": machine_notes(), "baseline": args.baseline, "rounds": out},
-         [table(["case (share off)", "baseline us/store", "this us/store", "ratio"], rows,
-                f"tenant_share off vs {args.baseline}, medians of {args.rounds} alternating processes")],
+         [table(["case (share off)", "baseline us/op", "this us/op", "ratio of medians",
+                 "median per-round ratio", "ratio of minima"], rows,
+                f"tenant_share off vs {args.baseline}, {args.rounds} rounds of alternating processes")],
          args.json)
     return 0
 
