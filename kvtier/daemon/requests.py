@@ -188,9 +188,7 @@ class RequestHandlers:
             raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"no namespace {msg.namespace[:64]!r}")
         removed = 0
         if on_disk:
-            in_ram = self.index.namespaces
-            removed = sum(1 for v in self.disk.flush_keys(on_disk)
-                          if v.ns_key not in in_ram or v.key not in in_ram[v.ns_key].entries)
+            removed = sum(1 for v in self.disk.flush_keys(on_disk) if not self.index.holds(v.ns_key, v.key))
         if not msg.namespace and client.admin:
             removed += self.index.flush(None)
         else:

@@ -224,10 +224,9 @@ class Sessions:
         tenant's namespace budget counts only what it really uses."""
         used = {reg.ns for c in self.clients.values() for reg in c.regs.values()}
         used.update(rec.ns for rec in self.swap.records.values())
-        idle = [k for k, ns in self.index.namespaces.items() if not ns.entries and ns not in used]
-        for k in idle:
-            ns = self.index.namespaces.pop(k)
-            if self.lookup_indexes is not None:  # its mirror table goes with it
+        idle = self.index.forget_empty(used)
+        if self.lookup_indexes is not None:  # their mirror tables go with them
+            for ns in idle:
                 self.lookup_indexes.forget(ns)
         return len(idle)
 

@@ -40,7 +40,6 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
     tenant's namespaces and clients (pool-wide figures are for everyone);
     None is the operator (metrics, status notifications), who sees all."""
     everything = viewer is None or viewer.admin
-    alloc = d.index.alloc_
     namespaces = []
     for key, ns in d.index.namespaces.items():
         tenant, fingerprint = split_key(key)
@@ -69,10 +68,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
     return {
         "version": PROTOCOL_VERSION, "pid": os.getpid(),
         "uptime_s": round(time.time() - d.started, 3), "socket": d.config.socket,
-        "pool": {"capacity_bytes": alloc.capacity, "used_bytes": alloc.used_bytes,
-                 "free_bytes": alloc.free_bytes, "waste_bytes": alloc.waste_bytes,
-                 "slab_bytes": alloc.slab_bytes, "slabs": len(alloc.slabs),
-                 "free_slabs": len(alloc.free_slabs),
+        "pool": {**d.index.capacity(),
                  "blocks": sum(n["blocks"] for n in namespaces),
                  "evictions": d.index.evictions, "policy": d.config.policy,
                  **_pin_stats(d.gpu)},

@@ -45,7 +45,7 @@ import os
 import stat
 import time
 
-from ..pool.index import READY
+from ..pool.index import is_ready
 from ..pool.journal import Journal, journal_bytes
 from ..pool.segment import SHM_DIR, SegmentError, ShmSegment, unlink_segment
 from ..pool.sizes import format_size
@@ -157,15 +157,15 @@ class WarmPool:
                 log.warning("warm restart: refusing %d blocks of a namespace: %s", len(ks), exc)
                 rejected += len(ks)
                 continue
-            got = index.adopt(ns, [(k.key, k.offset) for k in ks])
+            got = index.adopt(ns, [(k.key, k.offset) for k in ks], enter=False)
             for k, e in zip(ks, got):
                 if e is None:
                     rejected += 1
                 else:
                     taken.append(k)
                     entries.append((k.gen, e))
-        for _, e in sorted(entries, key=lambda ge: ge[0]):  # eviction order as it was committed
-            index.policy.insert(e)
+        # Eviction order as it was committed, across namespaces.
+        index.enter_in_order([e for _, e in sorted(entries, key=lambda ge: ge[0])])
         self.journal.keep(taken)
         self.unverified = {k.offset: k.crc for k in taken}
         if crcs is not None:  # checksums on: the debug table knows the adopted blocks too
@@ -185,7 +185,7 @@ class WarmPool:
         crc_of = dict(crcs)
         ns = plan.ns
         for e in plan.entries:
-            if e is not None and e.state == READY and ns.entries.get(e.key) is e and e.offset in crc_of:
+            if e is not None and is_ready(e) and e.offset in crc_of:
                 self.journal.commit(ns.fingerprint, ns.block_bytes, e.key, e.offset, crc_of[e.offset])
 
     def removed(self, e) -> None:

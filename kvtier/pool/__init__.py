@@ -1,7 +1,8 @@
 """Block pool: shared-memory segment, slab allocator, eviction policy, index."""
 
 from .allocator import IntegrityError, SlabAllocator
-from .index import READY, WRITING, BlockIndex, LoadPlan, Bucket, StorePlan
+from .entry import READY, WRITING
+from .index import BlockIndex, LoadPlan, Bucket, StorePlan
 from .policy import POLICIES, FIFOPolicy, LRUPolicy
 from .segment import SegmentError, ShmSegment, cleanup_stale, unlink_segment
 from .sizes import format_size, parse_size

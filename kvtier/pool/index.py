@@ -18,7 +18,10 @@ Primitives (scheduler-style, no I/O):
   pin(entries) / unpin(entries)            hold READY entries (no eviction) for a reader
   alloc_for(ns, n) -> [offset]             n slots for ns's tenant (its share, when on): swap too
   alloc(cls) / free(offset)
-  adopt(ns, [(key, offset)]) -> [Entry | None]  warm restart: READY entries at kept offsets
+  adopt(ns, [(key, offset)], enter) -> [Entry | None]  warm restart: READY entries at kept offsets
+  enter_in_order(entries)                  adopted entries into the policy, oldest first
+  is_ready(e), holds(key, block), ready_entries(ns, keys), forget_empty(keep) -> [Bucket]
+  capacity() -> dict                       pool and per-class occupancy (status)
   flush(ns=None) -> int, check_integrity()
   tenants: TenantShares                    slabs per tenant; with share < 1 a store at it evicts its own
   take_events() -> [(kind, namespace, hash)]  "stored" / "removed" (+ "disk_*", record()), if enabled
@@ -29,24 +32,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import reclaim
+from . import integrity, reclaim
+from .entry import READY, Entry, is_ready
 from .allocator import IntegrityError, SlabAllocator
 from .policy import EvictionPolicy, LRUPolicy
 from .prefix import ready_prefix
 from .keys import owner_of
 from .shares import TenantShares
 
-WRITING, READY = "writing", "ready"
 MAX_NAMESPACES = 4096
 STAT_KEYS = ("lookups", "hits", "disk_hits", "misses", "stored", "store_skipped", "store_failed",
              "loaded", "load_failed", "evicted")
-
-
-class Entry:
-    __slots__ = ("ns", "key", "offset", "state", "pins")
-
-    def __init__(self, ns: "Bucket", key: bytes, offset: int):
-        self.ns, self.key, self.offset, self.state, self.pins = ns, key, offset, WRITING, 0
 
 
 @dataclass(eq=False)
@@ -107,8 +103,8 @@ class BlockIndex:
     def namespace(self, fingerprint: str, block_bytes: int) -> Bucket:
         ns = self.namespaces.get(fingerprint)
         if ns is None and len(self.namespaces) >= MAX_NAMESPACES:
-            # Namespaces are never forgotten (their counters are the status history);
-            # the cap keeps a client minting fingerprints from growing the daemon.
+            # Empty namespaces nobody uses are forgotten (forget_empty, by the daemon's reaper);
+            # the cap keeps a client minting fingerprints from growing the daemon meanwhile.
             raise ValueError(f"too many namespaces ({MAX_NAMESPACES}); flush or restart the daemon")
         if ns is None:
             # Shares on: the tenant's own class, so its slabs hold its blocks only.
@@ -225,10 +221,12 @@ class BlockIndex:
                 raise IntegrityError(f"double unpin of {e.key.hex()}")
             e.pins -= 1
 
-    def adopt(self, ns: Bucket, blocks: list[tuple[bytes, int]]) -> list:
+    def adopt(self, ns: Bucket, blocks: list[tuple[bytes, int]], enter: bool = True) -> list:
         """READY entries for blocks a previous daemon committed at these offsets
         (oldest first: they enter the policy in that order). A key already
-        present or an offset the allocator refuses gives None."""
+        present or an offset the allocator refuses gives None. ``enter=False``:
+        the caller puts them in the policy itself with ``enter_in_order`` (warm
+        restart adopts namespace by namespace, then orders every block at once)."""
         wanted, seen = [], set()
         for key, offset in blocks:  # a key present already, or twice: refused before any claim
             wanted.append(None if key in ns.entries or key in seen else (key, offset))
@@ -242,13 +240,36 @@ class BlockIndex:
             e = Entry(ns, *w)
             e.state = READY
             ns.entries[e.key] = ns.ready_map[e.key] = self.by_offset[e.offset] = e
-            self.policy.insert(e)
+            if enter:
+                self.policy.insert(e)
             out.append(e)
         adopted = [e.key for e in out if e is not None]
         ns.ready += len(adopted)
         if self.mirror is not None and adopted:
             self.mirror.stored(ns, adopted)
         return out
+
+    def enter_in_order(self, entries: list[Entry]) -> None:
+        """Put adopted entries (``adopt(..., enter=False)``) in the policy, oldest first."""
+        for e in entries:
+            self.policy.insert(e)
+
+    is_ready = staticmethod(is_ready)
+
+    def holds(self, key: str, block: bytes) -> bool:
+        """The namespace keyed ``key`` has an entry (READY or being written) for ``block``."""
+        ns = self.namespaces.get(key)
+        return ns is not None and block in ns.entries
+
+    def ready_entries(self, ns: Bucket, keys: list[bytes]) -> list[Entry]:
+        """The READY entries among ``keys`` (in their order; missing ones left out)."""
+        return [e for e in map(ns.ready_map.get, keys) if e is not None]
+
+    def forget_empty(self, keep) -> list[Bucket]:
+        """Forget namespaces with no entries that are not in ``keep`` (registrations,
+        swap); returns them. Their ids are never reused; their counters go with them."""
+        gone = [k for k, ns in self.namespaces.items() if not ns.entries and ns not in keep]
+        return [self.namespaces.pop(k) for k in gone]
 
     def discard(self, e: Entry) -> None:
         """Drop one READY entry now if unpinned (e.g. its checksum failed)."""
@@ -335,39 +356,16 @@ class BlockIndex:
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)  # a slab it empties is no longer its tenant's (owner_slabs)
 
-    # ---- integrity ---------------------------------------------------------------
+    def capacity(self) -> dict:
+        """The pool's occupancy, as status shows it."""
+        a = self.alloc_
+        return {"capacity_bytes": a.capacity, "used_bytes": a.used_bytes, "free_bytes": a.free_bytes,
+                "waste_bytes": a.waste_bytes, "slab_bytes": a.slab_bytes, "slabs": len(a.slabs),
+                "free_slabs": len(a.free_slabs)}
+
+    # ---- integrity (kvtier/pool/integrity.py) -------------------------------------
     def counters(self) -> dict:
-        entries = [e for n in self.namespaces.values() for e in n.entries.values()]
-        return {
-            "entries": len(entries), "ready": sum(e.state == READY for e in entries),
-            "writing": sum(e.state == WRITING for e in entries),
-            "pinned": sum(e.pins > 0 for e in entries), "pins": sum(e.pins for e in entries),
-            "policy": len(self.policy), "by_offset": len(self.by_offset),
-            "held_outside": len(self.pinned_offsets), "evictions": self.evictions,
-            "allocator": self.alloc_.counters(),
-        }
+        return integrity.counters(self)
 
     def check_integrity(self) -> None:
-        self.alloc_.check_integrity()
-        c = self.counters()
-        problems = []
-        if c["ready"] != c["policy"]:
-            problems.append("ready entries != policy size")
-        if c["entries"] != c["by_offset"]:
-            problems.append("entries != offset map")
-        used = sum(k.used for k in self.alloc_.classes)
-        if used != c["entries"] + c["held_outside"]:
-            problems.append(f"allocator used {used} != entries + held outside")
-        if any(e.pins < 0 for n in self.namespaces.values() for e in n.entries.values()):
-            problems.append("negative pin count")
-        for n in self.namespaces.values():
-            if any(e.ns is not n or e.offset not in self.by_offset for e in n.entries.values()):
-                problems.append(f"namespace {n.fingerprint}: entry links broken")
-            if n.ready != sum(e.state == READY for e in n.entries.values()):
-                problems.append(f"namespace {n.fingerprint}: ready count {n.ready} is wrong")
-            if n.ready_map != {k: e for k, e in n.entries.items() if e.state == READY}:
-                problems.append(f"namespace {n.fingerprint}: ready map disagrees with the entries")
-        problems += self.tenants.problems(self)
-        if problems:
-            raise IntegrityError(f"{problems}; counters={c}")
-
+        integrity.check(self)

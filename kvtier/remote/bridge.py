@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 
-from ..pool.index import READY, BlockIndex
+from ..pool.index import BlockIndex
 from ..protocol import messages as m
 from ..protocol.arrays import pack_ids
 from ..protocol.codec import encode
@@ -74,8 +74,7 @@ class RemoteBridge:
 
     # ---- hooks -------------------------------------------------------------------------
     def committed(self, plan) -> None:
-        entries = [e for e in plan.entries
-                   if e is not None and e.state == READY and plan.ns.entries.get(e.key) is e]
+        entries = [e for e in plan.entries if e is not None and self.index.is_ready(e)]
         if not entries:
             return
         ns = plan.ns
@@ -102,10 +101,10 @@ class RemoteBridge:
         name = self._name(ns)
         if name is None:
             return False
-        missing = [k for k in dict.fromkeys(keys) if k not in ns.entries]
+        missing = [k for k in dict.fromkeys(keys) if not self.index.holds(ns.fingerprint, k)]
         if not missing:
             return False
-        present = [e for e in map(ns.entries.get, keys) if e is not None and e.state == READY]
+        present = self.index.ready_entries(ns, keys)
         # Held so that room made for the fetched blocks is not taken from this very chain.
         self.index.pin(present)
         plan = self.index.prepare_store(ns, missing)
