@@ -100,70 +100,62 @@ def test_closing_the_gate_hands_what_it_holds_to_the_worker_as_cancelled(worker)
 
 # ---- a dead worker's event is not believed ---------------------------------------------------
 
-def _worker_process() -> tuple[subprocess.Popen, ClientState]:
-    """A real process and the daemon's record of it, as HELLO makes it."""
+@pytest.fixture
+def engine(worker):
+    """A real engine process, the daemon's record of it (as HELLO makes it), the gate,
+    and ``kill()``: the process is gone for good."""
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    return p, ClientState(1, b"id", p.pid, "engine", process_start(p.pid))
+    gate = FenceGate(worker.submit)
+
+    def kill():
+        p.kill()
+        p.wait()
+    try:
+        yield ClientState(1, b"id", p.pid, "engine", process_start(p.pid)), gate, kill
+    finally:
+        gate.close()
+        kill()
 
 
-def _kill(p: subprocess.Popen) -> None:
-    p.kill()
-    p.wait()
-
-
-def test_a_fire_seen_after_the_worker_died_cancels_the_copy_instead_of_running_it(worker):
+def test_a_fire_seen_after_the_worker_died_cancels_the_copy_instead_of_running_it(worker, engine):
     """Once a worker is gone, a query of its event may say "fired" while its
     kernels never finished writing: the copy must not run (it would store
     half-written blocks); the op leaves the gate cancelled, as a reap would."""
-    p, client = _worker_process()
-    gate = FenceGate(worker.submit)
-    try:
-        cancelled, ran, why = threading.Event(), [], []
+    client, gate, kill = engine
+    cancelled, ran, why = threading.Event(), [], []
 
-        def cancel(reason):
-            why.append(reason)
-            cancelled.set()
-        spurious = threading.Event()  # the dead worker's event "fires"
-        fired = while_alive(spurious.is_set, client.process_alive, cancel)
-        gate.hold("dead", "client-a", fired, cancelled, lambda: ran.append("copied"))
-        _kill(p)
-        spurious.set()
-        error = completions(worker, {"dead"})["dead"]
-        assert isinstance(error, Cancelled) and ran == [] and why == ["the worker exited with its fence pending"]
-    finally:
-        gate.close()
-        _kill(p)
+    def cancel(reason):
+        why.append(reason)
+        cancelled.set()
+    spurious = threading.Event()  # the dead worker's event "fires"
+    gate.hold("dead", "client-a", while_alive(spurious.is_set, client.process_alive, cancel), cancelled,
+              lambda: ran.append("copied"))
+    kill()
+    spurious.set()
+    error = completions(worker, {"dead"})["dead"]
+    assert isinstance(error, Cancelled) and ran == [] and why == ["the worker exited with its fence pending"]
 
 
-def test_a_query_error_after_the_worker_died_is_a_cancel_and_while_it_lives_a_failure(worker):
-    p, client = _worker_process()
-    gate = FenceGate(worker.submit)
-    try:
-        def gone():
-            raise RuntimeError("CUDA error: invalid resource handle")
-        live_cancel, dead_cancel = threading.Event(), threading.Event()
-        # While the worker lives, a broken event is that op's failure (a forged handle).
-        gate.hold("alive", "a", while_alive(gone, client.process_alive, lambda why: live_cancel.set()),
-                  live_cancel, lambda: None)
-        error = completions(worker, {"alive"})["alive"]
-        assert isinstance(error, RuntimeError) and not live_cancel.is_set()
-        _kill(p)
-        gate.hold("dead", "a", while_alive(gone, client.process_alive, lambda why: dead_cancel.set()),
-                  dead_cancel, lambda: None)
-        assert isinstance(completions(worker, {"dead"})["dead"], Cancelled)
-    finally:
-        gate.close()
-        _kill(p)
+def test_a_query_error_after_the_worker_died_is_a_cancel_and_while_it_lives_a_failure(worker, engine):
+    client, gate, kill = engine
+
+    def gone():
+        raise RuntimeError("CUDA error: invalid resource handle")
+    live_cancel, dead_cancel = threading.Event(), threading.Event()
+    # While the worker lives, a broken event is that op's failure (a forged handle).
+    gate.hold("alive", "a", while_alive(gone, client.process_alive, lambda why: live_cancel.set()),
+              live_cancel, lambda: None)
+    error = completions(worker, {"alive"})["alive"]
+    assert isinstance(error, RuntimeError) and not live_cancel.is_set()
+    kill()
+    gate.hold("dead", "a", while_alive(gone, client.process_alive, lambda why: dead_cancel.set()),
+              dead_cancel, lambda: None)
+    assert isinstance(completions(worker, {"dead"})["dead"], Cancelled)
 
 
-def test_a_fire_while_the_worker_lives_runs_the_copy(worker):
-    p, client = _worker_process()
-    gate = FenceGate(worker.submit)
-    try:
-        ran = []
-        gate.hold("ok", "a", while_alive(lambda: True, client.process_alive, lambda why: None),
-                  threading.Event(), lambda: ran.append("copied"))
-        assert completions(worker, {"ok"})["ok"] is None and ran == ["copied"]
-    finally:
-        gate.close()
-        _kill(p)
+def test_a_fire_while_the_worker_lives_runs_the_copy(worker, engine):
+    client, gate, _kill = engine
+    ran = []
+    gate.hold("ok", "a", while_alive(lambda: True, client.process_alive, lambda why: None),
+              threading.Event(), lambda: ran.append("copied"))
+    assert completions(worker, {"ok"})["ok"] is None and ran == ["copied"]
