@@ -93,3 +93,31 @@ def test_preempted_jobs_are_waited_for_and_still_reported(daemon):
         assert finished(w, {1})[1].success
     finally:
         w.shutdown()
+
+
+def test_a_load_waited_for_within_the_step_is_reported_by_the_next_get_finished(daemon):
+    """vLLM 0.33's sync loads: the connector submits an expedited load and
+    waits for it before the step's forward; the blocks hold the chunks when
+    ``wait`` returns, and that step's ``get_finished`` (called after the
+    forward) reports the load, failed or not, with no further waiting."""
+    caches_a, written = canonical_caches(seed=4)
+    caches_b, read = canonical_caches(seed=None)
+    a = KVTierWorker(caches_a, NS, K, daemon.socket, name="vllm-worker-a")
+    b = KVTierWorker(caches_b, NS, K, daemon.socket, name="vllm-worker-b")
+    try:
+        keys = block_hashes(list(range(2 * 16 * K)), 16 * K)
+        a.submit_store(1, gpu_spec([0, 1, 2, 3]), KVTierSpecs(keys))
+        assert finished(a, {1})[1].success
+        assert b.submit_load(2, KVTierSpecs(keys), gpu_spec([8, 9, 10, 11]), expedited=True)
+        b.wait({2})
+        assert torch.equal(torch.stack(read)[:, 8:12, :PAGE], torch.stack(written)[:, 0:4, :PAGE])
+        (r,) = b.get_finished()
+        assert (r.job_id, r.success) == (2, True)
+        lost = block_hashes(list(range(5000, 5000 + 2 * 16 * K)), 16 * K)  # nobody stored these
+        b.submit_load(3, KVTierSpecs(lost), gpu_spec([4, 5, 6, 7]), expedited=True)
+        b.wait({3})
+        (r,) = b.get_finished()
+        assert (r.job_id, r.success) == (3, False)
+    finally:
+        a.shutdown()
+        b.shutdown()

@@ -13,6 +13,9 @@ What it changes, and why:
   request's keys of each KV cache group go to the manager, which asks the
   daemon about a group's keys in one round trip when vLLM first looks into
   that group; a request whose load failed is never offered a hit again.
+* vLLM 0.33's sync loads (waited for within the step, ``compat.py``): a
+  failed one reports its blocks as invalid, and vLLM recomputes the request
+  from the first of them; hybrid models keep every load asynchronous.
 
 With another spec (vLLM's CPU spec, a test's mock) the scheduler side is
 vLLM's own, unchanged: vLLM's offloading-connector tests pass with this class
@@ -29,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
+from .compat import disable_sync_loads_for_hybrid_models, sync_load_blocks
 from .manager import KVTierManager
 from .spec import _ENGINE, EngineConfigs
 
@@ -45,6 +49,15 @@ class KVTierConnectorWorker(OffloadingConnectorWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.failed_loads: set[str] = set()
+        self.failed_sync_blocks: set[int] = set()
+        self._sync_loads: dict[int, list[int]] = {}  # job id -> engine blocks it writes
+
+    def start_kv_transfers(self, metadata):
+        for job_id, entry in metadata.load_jobs.items():
+            blocks = sync_load_blocks(entry)
+            if blocks is not None:
+                self._sync_loads[job_id] = blocks
+        super().start_kv_transfers(metadata)
 
     def register_kv_caches(self, kv_caches):
         from .spec import KVTierOffloadingSpec
@@ -66,10 +79,19 @@ class KVTierConnectorWorker(OffloadingConnectorWorker):
                 finished_recving.add(req_id)  # failed receives are finished too
                 if not result.success:
                     self.failed_loads.add(req_id)
+            sync_blocks = self._sync_loads.pop(result.job_id, None)
+            if sync_blocks is not None and not result.success:
+                # Waited for before this step's forward (``wait``), so reported in this
+                # step's output, as vLLM requires of a sync load's failure.
+                self.failed_sync_blocks.update(sync_blocks)
         return set(), finished_recving
 
     def take_failed_loads(self) -> set[str]:
         failed, self.failed_loads = self.failed_loads, set()
+        return failed
+
+    def take_failed_sync_blocks(self) -> set[int]:
+        failed, self.failed_sync_blocks = self.failed_sync_blocks, set()
         return failed
 
 
@@ -92,6 +114,8 @@ class KVTierConnector(OffloadingConnector):
         if self.connector_worker is not None:
             self.connector_worker = KVTierConnectorWorker(self.connector_worker.spec, vllm_config,
                                                           kv_cache_config)
+        if self.connector_scheduler is not None and isinstance(self.connector_scheduler.manager, KVTierManager):
+            disable_sync_loads_for_hybrid_models(self.connector_scheduler, kv_cache_config)
 
     # ---- worker side ---------------------------------------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -100,6 +124,12 @@ class KVTierConnector(OffloadingConnector):
         return KVConnectorTransferResults(finished_sending=set(finished_sending or ()),
                                           finished_recving=set(finished_recving or ()),
                                           failed_recving=self.connector_worker.take_failed_loads())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of failed sync loads (vLLM 0.33); asynchronous loads fail as whole receives."""
+        if not isinstance(self.connector_worker, KVTierConnectorWorker):
+            return set()
+        return self.connector_worker.take_failed_sync_blocks()
 
     # ---- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -43,7 +43,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client import Client, Namespace
-from ..engine_kv import EngineKV, export_groups
+from ..engine_kv import EngineKV, Finished, export_groups
 from .groups import GroupTransfer, split_job
 from .manager import KVTierSpecs
 from .slices import PER_RANK, KVSlices
@@ -87,6 +87,7 @@ class KVTierWorker(OffloadingWorker):
                         for v, ns, kv, c in zip(views, namespaces, caches, clients)]
         self._jobs: dict[int, _Job] = {}
         self._done: list[TransferResult] = []   # jobs with nothing to move, or refused
+        self._landed: list[tuple[int, Finished]] = []  # (group, transfer) taken from the engines by ``wait``
 
     @property
     def engine(self) -> EngineKV:
@@ -98,7 +99,9 @@ class KVTierWorker(OffloadingWorker):
         return sum(self.group_block_bytes)
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
-                    *args, **kwargs) -> bool:
+                    expedited: bool = False) -> bool:
+        """``expedited`` (vLLM 0.33): vLLM calls ``wait`` on the job at once; the
+        daemon serves this client's transfers in order, so nothing else changes."""
         assert isinstance(src_spec, KVTierSpecs)
         return self._submit(job_id, True, src_spec, dst_spec)
 
@@ -153,22 +156,22 @@ class KVTierWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         out, self._done = self._done, []
-        for g, engine in enumerate(self.engines):
-            for f in engine.finished():
-                job_id, j = f.job_id
-                job = self._jobs[job_id]
-                job.waiting.discard((g, j))
-                result = f.result
-                job.moved += (f.engine_blocks if f.is_load else result.done * self.k) * self.group_block_bytes[g]
-                job.seconds = max(job.seconds, f.seconds)
-                if f.is_load and not result.ok:
-                    job.ok = False
-                    if engine.enabled:
-                        job.errors.append(f"group {g}: {len(result.failed)} of {f.engine_blocks} "
-                                          f"({result.error or 'evicted'})")
-                if not job.waiting:
-                    del self._jobs[job_id]
-                    out.append(self._result(job_id, job))
+        landed, self._landed = self._landed, []
+        for g, f in landed + [(g, f) for g, engine in enumerate(self.engines) for f in engine.finished()]:
+            job_id, j = f.job_id
+            job = self._jobs[job_id]
+            job.waiting.discard((g, j))
+            result = f.result
+            job.moved += (f.engine_blocks if f.is_load else result.done * self.k) * self.group_block_bytes[g]
+            job.seconds = max(job.seconds, f.seconds)
+            if f.is_load and not result.ok:
+                job.ok = False
+                if self.engines[g].enabled:
+                    job.errors.append(f"group {g}: {len(result.failed)} of {f.engine_blocks} "
+                                      f"({result.error or 'evicted'})")
+            if not job.waiting:
+                del self._jobs[job_id]
+                out.append(self._result(job_id, job))
         return out
 
     def _result(self, job_id: int, job: _Job) -> TransferResult:
@@ -179,12 +182,16 @@ class KVTierWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until these jobs stopped touching their blocks (preemption:
-        vLLM reuses the blocks right after). Their results still come from
-        ``get_finished``."""
+        vLLM reuses the blocks right after; vLLM 0.33's sync loads: this
+        step's forward reads them right after). Their results still come from
+        ``get_finished``; they are taken from the engines here, which for a
+        CUDA load makes the worker's stream wait for the daemon's copy before
+        the forward is queued."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             for g, j in sorted(job.waiting) if job is not None else ():
                 self.engines[g].wait([(job_id, j)])
+        self._landed += [(g, f) for g, engine in enumerate(self.engines) for f in engine.finished()]
 
     def held(self, job_id: int) -> tuple[int, ...]:
         """Engine blocks the daemon may still touch for this job (() once it let go)."""
