@@ -13,8 +13,8 @@ Differences that need nothing here (the interface change is compatible):
   only (the daemon feed is read inside ``take_events``), so vLLM's default
   no-op lock is right.
 * 0.33 ``OffloadingWorker.submit_load(..., expedited=False)``: taken as a
-  keyword; kvtier's daemon serves one client's transfers in order, so an
-  expedited load is one that ``wait`` is called on at once (below).
+  keyword and given no priority (kvtier sends it like any load); vLLM calls
+  ``wait`` on it at once, which is what makes it finish within the step.
 * 0.33 ``OffloadingManager.on_reset_flushed`` / ``config_info`` and
   ``OffloadingSpec.config_info_keys``: vLLM's defaults (kvtier's reset
   frees nothing, and it publishes no config info series).

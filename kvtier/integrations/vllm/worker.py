@@ -100,8 +100,8 @@ class KVTierWorker(OffloadingWorker):
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
                     expedited: bool = False) -> bool:
-        """``expedited`` (vLLM 0.33): vLLM calls ``wait`` on the job at once; the
-        daemon serves this client's transfers in order, so nothing else changes."""
+        """``expedited`` (vLLM 0.33): sent like any load, no priority; vLLM
+        calls ``wait`` on the job at once."""
         assert isinstance(src_spec, KVTierSpecs)
         return self._submit(job_id, True, src_spec, dst_spec)
 
