@@ -200,19 +200,19 @@ def test_kv_events_tell_groups_apart_and_follow_each_groups_daemon_feed():
     removal in one group's namespace removes that group's chunk only."""
     from kvtier.integrations.vllm.events import TierEvents
 
-    class Feed:  # one namespace's removed keys, as DaemonFeed.removed returns them
+    class Feed:  # one namespace's removals, as DaemonFeed.messages returns them (this engine's tenant)
         def __init__(self):
             self.gone: list[bytes] = []
 
-        def removed(self):
+        def messages(self):
             out, self.gone = self.gone, []
-            return out
+            return [("tenant-a", [("removed", k) for k in out])] if out else []
 
         def close(self):
             pass
 
     feeds = {SWA: Feed(), FULL: Feed()}
-    ev = TierEvents(True, feeds)
+    ev = TierEvents(True, feeds, tenant=lambda: "tenant-a")
     swa, full = offload_keys(SWA, 2, salt="e"), offload_keys(FULL, 2, salt="e")
     ev.stored(swa + full)
     ev.stored(full)                                  # once each

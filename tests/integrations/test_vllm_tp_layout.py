@@ -238,17 +238,17 @@ def test_a_chunk_cut_in_head_slices_is_announced_once_and_removed_when_any_slice
     from kvtier.integrations.vllm.events import TierEvents
     from kvtier.integrations.vllm.slices import slice_key
 
-    class Feed:  # the daemon's removed keys, as DaemonFeed.removed returns them
+    class Feed:  # the daemon's removals, as DaemonFeed.messages returns them (this engine's tenant)
         gone: list = []
 
-        def removed(self):
+        def messages(self):
             out, Feed.gone = Feed.gone, []
-            return out
+            return [("tenant-a", [("removed", k) for k in out])] if out else []
 
         def close(self):
             pass
 
-    ev = TierEvents(True, Feed(), plan(1, 0, HEADS, False, True))
+    ev = TierEvents(True, Feed(), plan(1, 0, HEADS, False, True), tenant=lambda: "tenant-a")
     okeys = offload_keys(2, salt=9)
     ev.stored(okeys)
     ev.stored(okeys)
