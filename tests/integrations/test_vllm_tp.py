@@ -114,8 +114,10 @@ def test_a_tp2_engine_hits_what_a_tp1_engine_stored_and_answers_like_vllm_alone(
 
 def test_a_tp1_engine_hits_what_a_tp2_engine_stored_and_answers_like_vllm_alone(runs):
     assert runs["tp1_hits_p2"] >= PREFIX - 32
-    assert runs["tp1_p2"] == runs["tp1_p2_fresh"]
-    assert runs["tp1_p2"] == runs["tp2_p2_fresh"]
+    assert runs["tp1_p2"] == runs["tp1_p2_fresh"]  # the TP=2 engine's KV, loaded: vLLM TP=1's own tokens
+    # Not compared with the TP=2 engine's own tokens: on prompt 2, vLLM alone at TP=1 and at
+    # TP=2 stopped agreeing on the 2-core dev machine (seen on 2026-11-27 at this session's
+    # base commit too, with no kvtier hit involved); that is vLLM's numerics, not kvtier's.
 
 
 def test_both_tp_sizes_store_one_copy_in_one_namespace(runs):
