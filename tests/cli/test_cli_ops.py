@@ -133,7 +133,9 @@ def test_top_on_a_terminal_quits_on_key_and_restores_it(daemon, key):
         screen = read_until(master, b"kvtier top  pid", timeout=30)
         assert b"\x1b[H\x1b[J" in screen  # a full redraw, not scrolling output
         os.write(master, key)
-        assert proc.wait(10) == 0
+        # A bound, not a timing claim: at load 7-8 on 2 cores the Ctrl-C case twice took
+        # over 10 s to exit (its client's threads wind down); it passes alone in seconds.
+        assert proc.wait(60) == 0
         assert termios.tcgetattr(slave) == before
     finally:
         if proc.poll() is None:
