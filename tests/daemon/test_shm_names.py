@@ -21,10 +21,9 @@ import pytest
 from kvtier.daemon.config import DaemonConfig
 from kvtier.daemon.warm import warm_names
 from kvtier.pool.segment import unlink_segment
-from tests.conftest import REPO, DaemonProc
+from tests.conftest import DaemonProc
 from tests.daemon.test_attacks import serves_a_good_client
-from tests.daemon.test_reaping import wait_for
-from tests.daemon.test_warm_restart import RUN_AS, WARM
+from tests.daemon.test_warm_restart import WARM, start_warm_daemon_as
 
 OTHER_UID = 41009
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to plant files as another uid")
@@ -110,12 +109,8 @@ def test_a_symlink_an_unprivileged_daemon_cannot_remove_means_no_warm_restart_no
     names = warm_names(DaemonConfig(socket=sock), uid=daemon_uid)
     as_other_user(f"os.symlink('/etc/passwd', {'/dev/shm' + names[1]!r})")
     log = open(tmp_path / "daemon.log", "w")
-    p = subprocess.Popen([sys.executable, "-c", RUN_AS.format(repo=REPO, uid=daemon_uid), "--socket", sock,
-                          "--pool-size", "64MiB", "--slab-size", "4MiB", "--gpu", "off"],
-                         env={**os.environ, **WARM, "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
+    p = start_warm_daemon_as(daemon_uid, sock, log)
     try:
-        assert wait_for(lambda: os.path.exists(sock) or p.poll() is not None, 60)
-        assert p.poll() is None, (tmp_path / "daemon.log").read_text()
         from kvtier.client import Client
         monkeypatch.setenv("KVTIER_DAEMON_USER", str(daemon_uid))
         with Client(sock, name="probe", timeout=10) as c:

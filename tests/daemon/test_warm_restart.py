@@ -346,6 +346,17 @@ sys.exit(kvtier.daemon.main.main(sys.argv[1:]))
 """
 
 
+def start_warm_daemon_as(uid: int, sock: str, log) -> subprocess.Popen:
+    """A warm-restart daemon running as ``uid`` on ``sock`` (64 MiB pool), once its socket
+    exists; its output goes to ``log``. Fails with the log if it exited instead."""
+    p = subprocess.Popen([sys.executable, "-c", RUN_AS.format(repo=REPO, uid=uid), "--socket", sock,
+                          "--pool-size", "64MiB", "--slab-size", "4MiB", "--gpu", "off"],
+                         env={**os.environ, **WARM, "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
+    assert wait_for(lambda: os.path.exists(sock) or p.poll() is not None, 60)
+    assert p.poll() is None, open(log.name).read()
+    return p
+
+
 def test_a_name_held_by_another_user_does_not_stop_an_unprivileged_daemon(tmp_path, monkeypatch):
     """Run as its own user, the daemon cannot remove a segment another user planted
     under its kept pool's name (/dev/shm is sticky): it refuses it and runs with a
@@ -362,12 +373,8 @@ def test_a_name_held_by_another_user_does_not_stop_an_unprivileged_daemon(tmp_pa
     code = PLANT.format(repo=REPO, uid=OTHER_UID, pool=pool, jname=jname, size=64 * 2**20, fp=NS.fingerprint())
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).returncode == 0
     log = open(tmp_path / "daemon.log", "w")
-    p = subprocess.Popen([sys.executable, "-c", RUN_AS.format(repo=REPO, uid=daemon_uid), "--socket", sock,
-                          "--pool-size", "64MiB", "--slab-size", "4MiB", "--gpu", "off"],
-                         env={**os.environ, **WARM, "PYTHONPATH": REPO}, stdout=log, stderr=subprocess.STDOUT)
+    p = start_warm_daemon_as(daemon_uid, sock, log)
     try:
-        assert wait_for(lambda: os.path.exists(sock) or p.poll() is not None, 60)
-        assert p.poll() is None, (tmp_path / "daemon.log").read_text()
         from kvtier.client import Client
         monkeypatch.setenv("KVTIER_DAEMON_USER", str(daemon_uid))  # the client trusts that daemon's socket
         with Client(sock, name="probe", timeout=10) as c:
