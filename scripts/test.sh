@@ -60,7 +60,8 @@ TORCH_VERSION=$TORCH_NEWEST make_venv .venv-torch "transformers==$TRANSFORMERS_N
 # 3 processes: most tests wait on daemons, engines and timeouts, not on the CPU.
 # loadfile: a module's tests share its fixtures (engines, Redis clusters) in one process.
 rc=0
-.venv-test/bin/python -m pytest -q -n 3 --dist loadfile "$@" || rc=$?
+# --durations: CI's log names the slowest tests, so the suite's time can be kept in check.
+.venv-test/bin/python -m pytest -q -n 3 --dist loadfile --durations=40 "$@" || rc=$?
 echo "kvtier's vLLM tests on vLLM 0.33's sources (.venv-test):" >&2
 if overlay=$(.venv-test/bin/python -c "from tests.integrations import vllm_sdist; print(vllm_sdist.overlay_root())"); then
     VLLM_TARGET_DEVICE=cpu PYTHONPATH="$overlay" .venv-test/bin/python -m pytest -q -n 0 "${VLLM_033_TESTS[@]}" "$@" || rc=$?

@@ -95,7 +95,11 @@ def test_a_stopped_client_keeps_its_session_while_its_process_lives(daemon_facto
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
     assert wait_for(lambda: not d.stats()["clients"] and d.stats()["swap"]["bytes"] == 0, 10)
-    assert "reaped (process exited)" in d.read_log()
+    # Which kernel fact the reaper sees first depends on timing: the exit itself, the
+    # socket the exiting process closed, or (a large process tearing down its memory on
+    # a loaded box) silence after the kill. Each reaps the session; what matters is that
+    # nothing reaped it while it lived (asserted above).
+    assert f"(pid {p.pid}) reaped (" in d.read_log()
 
 
 def test_a_client_whose_connection_closes_is_reaped_at_once(daemon_factory, tmp_path):
