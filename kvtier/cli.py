@@ -164,7 +164,19 @@ def _remote(r: dict) -> list[str]:
             f"fetched {r['fetched']} blocks ({format_size(r['fetched_bytes'])})  "
             f"written {r['written']} blocks ({format_size(r['written_bytes'])})  "
             f"corrupt {r['corrupt']}  forged {r.get('forged', 0)}  errors {r['errors']}  "
-            f"queued {format_size(r['queued_bytes'])}"]
+            f"queued {format_size(r['queued_bytes'])}  backlog {r.get('backlog_blocks', 0)} blocks"
+            + _why_not(r.get("not_written", {}))]
+
+
+def _why_not(rows: dict) -> str:
+    """Blocks a tier did not write, by reason (every tenant's summed: {tenant: {why: n}} or {why: n})."""
+    total: dict = {}
+    for k, v in rows.items():
+        for why, n in (v.items() if isinstance(v, dict) else [(k, v)]):
+            total[why] = total.get(why, 0) + n
+    if not total:
+        return ""
+    return f"  not written {sum(total.values())} (" + ", ".join(f"{w} {n}" for w, n in sorted(total.items())) + ")"
 
 
 def _warm(w: dict) -> list[str]:

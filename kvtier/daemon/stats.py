@@ -80,7 +80,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "connections": {"open": len(d.guard.conns), "cut": d.guard.counters["connections_cut"]},
         "latency": d.housekeeping.latency.snapshot(),
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
-        "remote": d.remote.stats() if d.remote is not None else {"enabled": False},
+        "remote": d.remote.stats(None if everything else viewer.tenant) if d.remote is not None else {"enabled": False},
         "disk": d.disk.stats(None if everything else viewer.tenant) if d.disk is not None else {"enabled": False},
         "tenants": _tenant_stats(d.index, None if everything else viewer.tenant),
         "lookup_index": _mirror_stats(d.lookup_indexes),

@@ -3,8 +3,9 @@ the only part that touches the block index for remote work.
 
 The daemon calls it at four points (marked ``# remote tier hook`` there):
 
-  committed(plan)      after an engine's store committed: hold the new blocks
-                       and queue them for write-behind; released when written
+  committed(plan)      after an engine's store committed: the new blocks join their
+                       tenant's write backlog, which feeds the write-behind queue
+                       (pinned in the pool, at most ``queue_bytes``) as it frees
   lookup(...) -> bool  the local READY prefix ended early: ask the store how far
                        the chain goes on; True = the Hits reply comes from here
   load(...) -> bool    the load names blocks this pool lacks: allocate them
@@ -13,7 +14,18 @@ The daemon calls it at four points (marked ``# remote tier hook`` there):
                        locally; True = the reply comes from that second run
   cancel(...) -> bool  a Cancel names a load whose blocks are being fetched: the
                        fetch stops, the load is answered failed without a copy
-  poll()               the tier's wakeup fd is readable: finish what completed
+  poll()               the tier's wakeup fd is readable: finish what completed,
+                       feed the backlog into the room freed
+
+A store of any length reaches the store whole as the queue drains: the backlog
+(kvtier.disk.schedule.WriteBacklog, shared with the disk tier) names blocks by
+(namespace, hash), at most ``backlog_bytes`` of them, tenants taking turns. A
+block is read from the pool when its turn comes if it is still there; what is
+not written is counted per tenant and why (``not_written``): ``evicted`` (left
+RAM before its turn, by eviction or flush), ``backlog_full``, ``budget``,
+``rejected`` (the server refused it), ``error``. While the store is unreachable
+the backlog waits (blocks of a failed write rejoin it) and goes on when the
+breaker closes.
 
 Blocks that arrive from the store are committed as ordinary pool blocks
 (lookups see them, block events announce them, eviction may drop them) but are
@@ -30,7 +42,9 @@ from __future__ import annotations
 
 import logging
 
+from ..disk.schedule import WriteBacklog
 from ..pool.index import BlockIndex
+from ..pool.keys import owner_of
 from ..protocol import messages as m
 from ..protocol.arrays import pack_ids
 from ..protocol.codec import encode
@@ -43,7 +57,7 @@ log = logging.getLogger("kvtier.remote")
 
 class RemoteBridge:
     def __init__(self, tier: RemoteTier, index: BlockIndex, send, redispatch, crcs: dict | None = None,
-                 cluster_name=lambda key: key):
+                 cluster_name=lambda key: key, backlog_bytes: int | None = None):
         self.tier, self.index = tier, index
         self.send = send                # (identity, request id, reply) -> None
         self.redispatch = redispatch    # (identity, frame) -> None: the daemon's dispatch point
@@ -52,13 +66,21 @@ class RemoteBridge:
         self.local_only: set = set()    # (identity, request id) of loads being re-run after a fetch
         self.fetching: dict = {}        # (identity, request id) -> the fetch job of a load
         self.unnamed: set[str] = set()  # tenants already logged as local-only
+        self.backlog = WriteBacklog(backlog_bytes or tier.settings.queue_bytes * 4)  # committed, not yet queued
+        self.queued = 0                 # bytes of write-behind jobs in flight (pinned in the pool)
+        self.retried = 0                # blocks whose write failed (store unreachable) back in the backlog
 
     @property
     def wakeup_fd(self) -> int:
         return self.tier.wakeup_fd
 
-    def stats(self) -> dict:
-        return {**self.tier.stats(), "local_only_tenants": len(self.unnamed)}
+    def stats(self, tenant: str | None = None) -> dict:
+        """The tier's counters; the backlog's for ``tenant`` (None: every tenant's)."""
+        b = self.backlog
+        return {**self.tier.stats(), "local_only_tenants": len(self.unnamed), "pinned_bytes": self.queued,
+                "backlog_blocks": b.blocks if tenant is None else b.of(tenant),
+                "backlog_limit_bytes": b.limit_bytes, "retried": self.retried,
+                "not_written": b.not_written(tenant)}
 
     def _name(self, ns) -> str | None:
         name = self.cluster_name(ns.fingerprint)
@@ -70,24 +92,57 @@ class RemoteBridge:
         return name
 
     def close(self) -> None:
+        if self.backlog.blocks:
+            log.warning("remote tier: %d committed blocks still in the write backlog are not written "
+                        "(the daemon stops)", self.backlog.blocks)
         self.tier.close()
 
     # ---- hooks -------------------------------------------------------------------------
     def committed(self, plan) -> None:
         entries = [e for e in plan.entries if e is not None and self.index.is_ready(e)]
-        if not entries:
+        if not entries or self._name(plan.ns) is None:
             return
-        ns = plan.ns
-        name = self._name(ns)
-        if name is None:
-            return
-        self.index.pin(entries)
-        # As many as the write-behind allowance holds, from the chain's start: a prefix
-        # is what another node can use, so a store larger than the allowance still shares one.
-        n = self.tier.write(name, [e.key for e in entries], [e.offset for e in entries],
-                            ns.block_bytes, ("write", entries))
-        self.index.unpin(entries[n:])
-        del entries[n:]  # the token's list: what the write job releases when done
+        # The chain's start first: a prefix is what another node can use before the rest lands.
+        self.backlog.add(owner_of(plan.ns.fingerprint), plan.ns, [e.key for e in entries])
+        self._feed()
+
+    def _feed(self) -> None:
+        """Move backlog turns into the write-behind queue while it has room and the store is
+        up. A block is pinned from here until written; one gone from RAM is counted."""
+        room = self.tier.settings.queue_bytes
+        while self.tier.available():
+            turn = self.backlog.take(room - self.queued)
+            if turn is None:
+                return
+            tenant, ns, keys = turn
+            entries = self.index.ready_entries(ns, keys)
+            self.backlog.lost(tenant, "evicted", len(keys) - len(entries))
+            name = self._name(ns)
+            if name is None:  # not named across nodes (it was at commit: the names are fixed at start)
+                self.backlog.lost(tenant, "local_only", len(entries))
+            if not entries or name is None:
+                continue
+            self.index.pin(entries)
+            n = self.tier.write(name, [e.key for e in entries], [e.offset for e in entries],
+                                ns.block_bytes, ("write", entries, tenant, ns))
+            self.queued += n * ns.block_bytes
+            if n < len(entries):  # the store went away since available(): they wait for it
+                self.index.unpin(entries[n:])
+                self.backlog.add(tenant, ns, [e.key for e in entries[n:]])
+                del entries[n:]  # the token's list: what the write job releases when done
+                return
+
+    def _written(self, job) -> None:
+        """A write job is done: release its blocks; those the store could not take rejoin
+        the backlog (they are written once it is back), the rest not written are counted."""
+        _, entries, tenant, ns = job.token
+        self.index.unpin(entries)
+        self.queued -= len(entries) * ns.block_bytes
+        if job.failed:
+            self.retried += len(job.failed)
+            self.backlog.add(tenant, ns, [entries[i].key for i in job.failed])
+        for why, n in job.dropped.items():
+            self.backlog.lost(tenant, why, n)
 
     def lookup(self, identity: bytes, req_id: int, ns, keys: list[bytes], hits: int) -> bool:
         if hits >= len(keys):
@@ -130,14 +185,17 @@ class RemoteBridge:
 
     def poll(self) -> None:
         for job in self.tier.completed():
+            if job.kind == "healed":
+                continue  # the store is back: the backlog goes on below
             kind = job.token[0]
             if kind == "write":
-                self.index.unpin(job.token[1])
+                self._written(job)
             elif kind == "lookup":
                 _, identity, req_id, hits = job.token
                 self.send(identity, req_id, m.Hits(hits + job.hits))
             else:
                 self._finish_load(job)
+        self._feed()
 
     # ---- loads ---------------------------------------------------------------------------
     def _finish_load(self, job) -> None:
@@ -181,4 +239,5 @@ def open_remote(config, pool, index: BlockIndex, send, redispatch, crcs: dict | 
     log.info("remote tier %s (ttl %.0fs, budget %s, write-behind queue %d bytes; values v2, keyed by %s)",
              settings.display, settings.ttl_s, settings.budget or "none", settings.queue_bytes,
              config.remote_secret_file)
-    return RemoteBridge(tier, index, send, redispatch, crcs, cluster_name)
+    # The backlog names at most the pool's worth of blocks: more could not be in RAM to write.
+    return RemoteBridge(tier, index, send, redispatch, crcs, cluster_name, backlog_bytes=config.pool_size)

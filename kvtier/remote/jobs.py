@@ -26,7 +26,7 @@ from .values import NamespaceDigest
 
 @dataclass(eq=False)
 class Job:
-    kind: str                    # "probe" | "fetch" | "write"
+    kind: str                    # "probe" | "fetch" | "write" | "healed" (the breaker closed again)
     token: Any                   # the caller's, handed back untouched
     ns: NamespaceDigest
     keys: list
@@ -38,7 +38,9 @@ class Job:
     reported: bool = False       # guarded by the tier's lock: a job is handed back once
     # results, set by the tier's thread before the job is reported
     hits: int = 0                # probe: remote blocks continuing the chain
-    failed: list = field(default_factory=list)   # fetch: indices not fetched intact
+    failed: list = field(default_factory=list)   # fetch: indices not fetched intact; write: not written
+                                                 # because the store was unreachable (the caller may retry)
+    dropped: dict = field(default_factory=dict)  # write: why -> blocks not written for good (budget, rejected)
     crcs: list = field(default_factory=list)     # fetch: (offset, crc32) of verified payloads
     error: str = ""              # why the store could not be asked ("" = it answered)
 

@@ -23,10 +23,11 @@ put until the job is reported done: blocks being written out are held
 Values are keyed and authenticated with the cluster's secret (values.py):
 a forged, foreign or damaged value is rejected, counted and deleted.
 
-Primitives (loop thread): ``probe(ns, keys, token) -> bool``, ``fetch(ns,
-keys, offsets, size, token) -> Job | None``, ``cancel(job)``, ``write(ns, keys, offsets, size, token) -> int`` (how many of ``keys``,
-from the first, were queued), ``completed() -> [Job]``, ``wakeup_fd``,
-``stats()``, ``close()``.
+Primitives (loop thread): ``probe(ns, keys, token) -> bool``, ``fetch(ns, keys,
+offsets, size, token) -> Job | None``, ``cancel(job)``, ``write(ns, keys, offsets,
+size, token) -> int`` (how many of ``keys``, from the first, were queued),
+``completed() -> [Job]`` (also a "healed" job when the breaker closes again),
+``wakeup_fd``, ``stats()``, ``close()``.
 """
 
 from __future__ import annotations
@@ -148,9 +149,8 @@ class RemoteTier:
             state, opened = self.breaker.state, self.breaker.opened
             queued, window = self.queued_bytes, self.window_bytes
         keys = ("probes", "probe_blocks", "remote_hits", "probe_skipped", "probe_late", "fetches", "fetched",
-                "fetched_bytes", "fetch_failed", "fetch_skipped", "fetch_cancelled", "missing", "corrupt",
-                "forged", "written",
-                "written_bytes", "write_failed", "write_skipped", "queue_full", "budget_skipped",
+                "fetched_bytes", "fetch_failed", "fetch_skipped", "fetch_cancelled", "missing", "corrupt", "forged",
+                "written", "written_bytes", "write_failed", "write_skipped", "queue_full", "budget_skipped",
                 "rejected", "errors")
         return {"enabled": True, "endpoint": s.display, "state": state, "opened": opened,
                 "last_error": self.last_error, "queued_bytes": queued, "queue_bytes": s.queue_bytes,
@@ -196,6 +196,8 @@ class RemoteTier:
                     for j in jobs:
                         j.error = j.error or f"{type(exc).__name__}: {exc}"
                         j.failed = list(range(len(j.keys))) if kind == "fetch" else j.failed
+                        if kind == "write":  # counted, never retried: the same bug would hit again
+                            j.failed, j.dropped = [], {"error": len(j.keys)}
                 finally:
                     if kind == "probe":
                         with self.lock:
@@ -259,6 +261,7 @@ class RemoteTier:
             self.breaker.success()
         if was != CLOSED:
             log.info("remote tier %s is back", self.settings.display)
+            self._done.put(Job("healed", None, None, []))  # the caller's write backlog may go on
         return result
 
     def _heal(self, store: RedisStore) -> None:
@@ -343,34 +346,39 @@ class RemoteTier:
             self.counters.update(tally)
 
     def _write(self, store: RedisStore, jobs: list[Job]) -> None:
-        items, owners = [], []
+        """SET the jobs' blocks in one pipeline. Not written: ``failed`` (store unreachable or
+        breaker open: worth another try), ``dropped`` (over the budget, refused: for good)."""
+        items, owners = [], []  # owners[i]: (job, index) of items[i]
         tally: Counter = Counter()
         for job in jobs:
-            if self.breaker.state != CLOSED:
+            if self.breaker.state != CLOSED:  # opened while this job waited
                 tally["write_skipped"] += len(job.keys)
+                job.failed = list(range(len(job.keys)))
                 continue
-            for key, off in zip(job.keys, job.offsets):
+            for i, (key, off) in enumerate(zip(job.keys, job.offsets)):
                 if not self._within_budget(job.size):
                     tally["budget_skipped"] += 1
+                    job.dropped["budget"] = job.dropped.get("budget", 0) + 1
                     continue
                 payload = self.pool[off:off + job.size]
                 header, _ = self.codec.frame(job.ns, key, payload)
                 items.append((self.codec.key(job.ns, key), b"".join((header, payload))))
-                owners.append(job.size)
+                owners.append((job, i))
         if items:
             try:
                 refused = self._call(store.set, items, self.settings.ttl_s)
             except Unreachable:
-                refused = ["unreachable"] * len(items)
                 tally["write_failed"] += len(items)
+                for job, i in owners:
+                    job.failed.append(i)
             else:
-                for why, size in zip(refused, owners):
+                for why, (job, i) in zip(refused, owners):
                     if why is None:
-                        tally.update(written=1, written_bytes=size)
+                        tally.update(written=1, written_bytes=job.size)
                     else:
                         tally["rejected"] += 1
+                        job.dropped["rejected"] = job.dropped.get("rejected", 0) + 1
                         self.last_error = why
-            items.clear()
         with self.lock:
             self.counters.update(tally)
             self.queued_bytes -= sum(len(job.keys) * job.size for job in jobs)  # no longer read from the pool

@@ -62,20 +62,32 @@ class LocalCluster:
         return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def start(self) -> None:
-        for port in self.ports:
-            d = os.path.join(self.dir, str(port))
-            os.makedirs(d, exist_ok=True)
-            args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000", "--dir", d,
-                    "--save", "", "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
-                    "--logfile", os.path.join(d, "redis.log")]
-            if self.maxmemory:
-                args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
-            if self.password:
-                args += ["--requirepass", self.password, "--masterauth", self.password]
-            self.procs.append(subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self.procs = [self._spawn(port) for port in self.ports]
         for port in self.ports:
             self._wait_port(port)
+
+    def _spawn(self, port: int) -> subprocess.Popen:
+        d = os.path.join(self.dir, str(port))
+        os.makedirs(d, exist_ok=True)
+        args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000", "--dir", d,
+                "--save", "", "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
+                "--logfile", os.path.join(d, "redis.log")]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def kill_master(self, i: int) -> None:
+        """SIGKILL master ``i`` alone: its slots fail, the other masters keep running."""
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+
+    def restart_master(self, i: int) -> None:
+        """Master ``i`` back on its port, empty, rejoining from its nodes.conf; then wait_ok()."""
+        self.procs[i] = self._spawn(self.ports[i])
+        self._wait_port(self.ports[i])
 
     def _wait_port(self, port: int, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout

@@ -146,16 +146,18 @@ def test_tenants_cross_nodes_by_the_operators_names_not_by_uid_numbers(daemon_fa
     assert f"tenant uid{UID} is not named in config tenants" in n4.read_log()
 
 
-def test_a_store_larger_than_the_write_behind_allowance_still_shares_its_prefix(daemon_factory, cluster):
+def test_a_store_four_times_the_write_behind_allowance_reaches_another_node_whole(daemon_factory, cluster):
     """A write-behind allowance of 64 KiB (4 blocks of 16 KiB; by default a quarter of the pool):
-    a 12-block store writes its first 4 (before: none), and another node loads those 4."""
-    tokens = [t + 1_400_000 for t in TOKENS]
+    a 16-block store waits in the write backlog and is written 4 by 4 as the queue drains
+    (before: its first 4 were written and 12 skipped for good); another node then loads all
+    16 byte for byte, and nothing is counted as not written."""
+    tokens = list(range(1_400_000, 1_400_000 + 16 * 16))
     a = node(daemon_factory, cluster.url, env={"KVTIER_REMOTE_QUEUE": "64KiB"})
-    expected = store_prefix(a, tokens, seed=25)
-    ra = wait_remote(a, "written", 4)
-    assert (ra["written"], ra["queue_full"]) == (4, 8)
+    expected = store_prefix(a, tokens, seed=25, ids=range(3, 19))
+    ra = wait_remote(a, "written", 16)
+    assert (ra["written"], ra["queue_full"], ra["backlog_blocks"], ra["not_written"]) == (16, 0, 0, {})
     hits, result, got = lookup_and_load(node(daemon_factory, cluster.url), tokens)
-    assert hits == 4 and result.ok and got == expected[:len(got)]
+    assert hits == 16 and result.ok and result.done == 16 and got == expected
 
 
 @pytest.fixture

@@ -1,0 +1,113 @@
+"""The remote write backlog against real daemons and a real three-master Redis Cluster:
+a store larger than the write-behind allowance, or made while the store is down, waits
+in its tenant's backlog and reaches the cluster whole once there is room and the
+cluster is back; what cannot be written (gone from RAM first, a backlog past the pool's
+worth) is counted by reason in status, never dropped silently."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.client import block_hashes
+from tests.helpers import NS, make_kv
+from tests.remote.conftest import running_cluster
+from tests.remote.test_two_nodes import (TEAM, lookup_and_load, node, remote_stats, store_prefix,  # noqa: F401
+                                         wait_remote, wait_state, _secret_file)
+
+QUEUE = {"KVTIER_REMOTE_QUEUE": "64KiB"}  # 4 blocks of 16 KiB in flight
+
+
+def chain(start: int, blocks: int) -> list[int]:
+    return list(range(start, start + 16 * blocks))
+
+
+@pytest.fixture
+def own_cluster():
+    """A cluster this test may kill masters of."""
+    yield from running_cluster()
+
+
+def open_breaker(d, cl) -> None:
+    """Kill master 0, then look up a chain nobody holds until the node's breaker opens:
+    each lookup asks the cluster past the local prefix, and those asks fail."""
+    cl.kill_master(0)
+    kv = make_kv()
+    with d.client(name="prober") as c:
+        c.register_kv_cache(kv, [0] * len(kv.tensors), NS)
+        hashes = block_hashes(chain(9_000_000, 12), 16)
+        deadline = time.monotonic() + 60
+        while remote_stats(d)["state"] != "open":
+            assert time.monotonic() < deadline, f"the breaker never opened: {remote_stats(d)}"
+            assert c.lookup(hashes) == 0
+    kv.close()
+
+
+def wait_backlog_empty(d, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while (r := remote_stats(d))["backlog_blocks"] or r["queued_bytes"]:
+        assert time.monotonic() < deadline, f"the backlog never drained: {r}"
+        time.sleep(0.05)
+    return r
+
+
+def test_a_store_made_while_a_master_is_dead_waits_and_reaches_another_node_whole(daemon_factory, own_cluster):
+    """A master SIGKILLed and the breaker open: a 16-block store (4x the allowance) commits
+    locally and all 16 wait in the backlog, none written, none lost. The master comes back
+    (empty): the breaker closes, the backlog drains, and another node loads all 16 byte for byte."""
+    cl = own_cluster
+    a = node(daemon_factory, cl.url, env=QUEUE)
+    open_breaker(a, cl)
+    tokens = chain(2_000_000, 16)
+    expected = store_prefix(a, tokens, seed=31, ids=range(3, 19))
+    r = remote_stats(a)
+    assert (r["backlog_blocks"], r["written"], r["pinned_bytes"], r["not_written"]) == (16, 0, 0, {})
+
+    cl.restart_master(0)
+    cl.wait_ok()
+    r = wait_remote(a, "written", 16)
+    assert (r["state"], r["not_written"]) == ("closed", {})
+    hits, result, got = lookup_and_load(node(daemon_factory, cl.url), tokens)
+    assert hits == 16 and result.ok and got == expected
+
+
+def test_blocks_that_leave_ram_before_their_turn_are_counted_as_not_written(daemon_factory, own_cluster, capsys):
+    """The cluster is down while a 16-block store waits in the backlog; the namespace is then
+    flushed. When the cluster is back the backlog finds none of them in RAM: 16 are counted
+    'evicted' under the tenant (status shows it), none written, none silently gone."""
+    cl = own_cluster
+    a = node(daemon_factory, cl.url, env=QUEUE)
+    open_breaker(a, cl)
+    store_prefix(a, chain(3_000_000, 16), seed=32, ids=range(3, 19))
+    with a.client(name="operator") as c:
+        c.flush()
+    cl.restart_master(0)
+    cl.wait_ok()
+    wait_state(a, "closed")
+    r = wait_backlog_empty(a)
+    assert (r["written"], r["not_written"]) == (0, {TEAM: {"evicted": 16}})
+    assert main(["status", "--socket", a.socket]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("remote"))
+    assert "backlog 0 blocks" in line and "not written 16 (evicted 16)" in line
+
+
+def test_a_flood_of_stores_while_the_cluster_is_down_keeps_the_backlog_within_the_pool(daemon_factory,
+                                                                                       own_cluster):
+    """Hostile volume: three 32-block stores into a 64-block pool while the cluster is down.
+    The backlog names at most the pool's worth (64 blocks); the oldest 32 are counted
+    'backlog_full' (they were evicted from RAM too). Once the cluster is back the 64 the pool
+    holds are written: written + not written = the 96 stored."""
+    cl = own_cluster
+    a = node(daemon_factory, cl.url, env=QUEUE, pool_size="1MiB", slab_size="1MiB")
+    open_breaker(a, cl)
+    for i in range(3):
+        store_prefix(a, chain(4_000_000 + 10_000 * i, 32), seed=40 + i, ids=range(32))
+    r = remote_stats(a)
+    assert (r["backlog_blocks"], r["backlog_limit_bytes"], r["not_written"]) == (64, 2**20, {TEAM: {"backlog_full": 32}})
+    cl.restart_master(0)
+    cl.wait_ok()
+    r = wait_remote(a, "written", 64)
+    r = wait_backlog_empty(a)
+    assert (r["written"], r["not_written"]) == (64, {TEAM: {"backlog_full": 32}})
