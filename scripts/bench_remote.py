@@ -16,11 +16,18 @@ blocks.
   lookup B answers from the cluster (remote hit).
 - store: A (write-behind on) vs C (off), fresh hashes per rep; and how long
   after A's store returned B's lookup first finds the blocks (visibility).
+- ``--backlog [--baseline-tree DIR]``: stores of 1x, 2x, 4x, 8x the write-behind
+  allowance (``remote_queue``): the share of their blocks that reaches the
+  cluster (counted with EXISTS) and the time from the store's reply until the
+  node's write-behind is idle (nothing queued, nothing in its backlog). With a
+  baseline tree (a ``git worktree`` of an older commit), a node running that
+  tree's daemon is measured in the same run, reps alternating with this tree's.
 
 Needs redis-server/redis-cli on PATH and the redis module; otherwise it
 prints why and exits 0.
 
     python scripts/bench_remote.py [--quick] [--json [PATH]]
+    python scripts/bench_remote.py --backlog [--baseline-tree /tmp/kvt-base] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--lookups", type=int, default=400, help="timed lookups per lookup case")
     p.add_argument("--pool-size", default="512MiB")
     p.add_argument("--quick", action="store_true", help="small sizes, short runs (smoke test)")
+    p.add_argument("--backlog", action="store_true", help="only the share of long stores that arrives")
+    p.add_argument("--baseline-tree", default="", help="--backlog: also a node running this tree's daemon")
+    p.add_argument("--queue", type=bl.parse_size, default=bl.parse_size("4MiB"), help="--backlog: remote_queue")
+    p.add_argument("--reps", type=int, default=5, help="--backlog: reps per multiple and tree")
     bl.add_json_flag(p)
     args = p.parse_args(argv)
     if args.quick:
@@ -225,6 +236,86 @@ def store_point(args, a, b, c, block: int) -> dict:
     return row
 
 
+def idle(daemon, timeout: float = 300.0) -> dict:
+    """Poll until the node's write-behind has nothing queued and nothing in its backlog."""
+    deadline = time.monotonic() + timeout
+    while (r := remote(daemon))["queued_bytes"] or r.get("backlog_blocks", 0):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"write-behind never idle: {r}")
+        time.sleep(0.002)
+    return r
+
+
+def backlog_rows(args, cluster, nodes: dict, block: int) -> list[dict]:
+    """Per multiple of the allowance and node: share of a store's blocks in the cluster
+    once the node is idle, and how long after the store's reply that was."""
+    from kvtier.daemon.tenancy import ns_key
+    from kvtier.remote import values as v
+    per = args.queue // block
+    codec, r = v.ValueCodec(SECRET), cluster.client()
+    engines = {tree: Engine(d, block, 8 * per, 11, f"backlog-{tree}") for tree, d in nodes.items()}
+    out = {}
+    for m in (1, 2, 4, 8):
+        n = m * per
+        for _ in range(args.reps):
+            for tree, d in nodes.items():  # alternate the trees: both see the same load
+                e = engines[tree]
+                keys = hashes(n)
+                res = e.c.store(keys, e.ids[:n]).wait()
+                t0 = time.perf_counter()
+                if not res.ok or res.done != n:
+                    raise RuntimeError(f"store failed: {res}")
+                idle(d)
+                took = time.perf_counter() - t0
+                ns = codec.namespace(ns_key(TEAM, e.ns.fingerprint()))
+                rkeys = [codec.key(ns, k) for k in keys]
+                p = r.pipeline(transaction=False)
+                for k in rkeys:
+                    p.exists(k)
+                arrived = sum(p.execute())
+                p = r.pipeline(transaction=False)
+                for k in rkeys:
+                    p.delete(k)  # keep the cluster's memory flat across reps
+                p.execute()
+                e.c.flush(e.ns)
+                row = out.setdefault((m, tree), {"multiple": m, "tree": tree, "blocks": n, "share": [], "ms": []})
+                row["share"].append(arrived / n)
+                row["ms"].append(took * 1e3)
+    for e in engines.values():
+        e.close()
+    r.close()
+    return [{**row, "share_min": min(row["share"]), "share_median": bl.median(row["share"]),
+             "ms_median": bl.median(row["ms"]), "ms_max": max(row["ms"])} for row in out.values()]
+
+
+def backlog_main(args, cluster, env: dict) -> dict:
+    from kvtier.demo.daemon_proc import PrivateDaemon
+    block = 256 * 1024
+    pool = max(64 * 2**20, 32 * args.queue)  # 8x the allowance fits 4 times over; the queue is below pool/4
+    env = {**env, "KVTIER_REMOTE_QUEUE": str(args.queue)}
+    trees = {"this": {}}
+    if args.baseline_tree:
+        trees["baseline"] = {"PYTHONPATH": os.path.abspath(args.baseline_tree)}
+    nodes = {}
+    try:
+        for tree, extra in trees.items():
+            nodes[tree] = PrivateDaemon(str(pool), "8MiB", env={**env, **extra})
+        rows = backlog_rows(args, cluster, nodes, block)
+    finally:
+        for d in nodes.values():
+            d.stop()
+    report = {"machine": bl.machine_notes(), "queue_bytes": args.queue, "block_bytes": block,
+              "baseline_tree": args.baseline_tree, "rows": rows}
+    table = bl.table(["x allowance", "blocks", "tree", "share arrived (median)", "min", "ms until idle (median)",
+                      "max ms"],
+                     [[r["multiple"], r["blocks"], r["tree"], r["share_median"], r["share_min"], r["ms_median"],
+                       r["ms_max"]] for r in sorted(rows, key=lambda r: (r["multiple"], r["tree"]))],
+                     f"Stores of 1-8x the write-behind allowance ({bl.short_size(args.queue)}, "
+                     f"{bl.short_size(block)} blocks)")
+    bl.emit(report, [table], args.json)
+    return report
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from tests.remote.cluster import LocalCluster, why_missing
@@ -241,6 +332,13 @@ def main(argv=None) -> int:
         f.write(f'key = "{SECRET.hex()}"\n')
     env = {"KVTIER_REMOTE": cluster.url, "KVTIER_REMOTE_TTL_S": "600", "KVTIER_REMOTE_SECRET_FILE": secret,
            "KVTIER_TENANTS": f"{TEAM}:{os.geteuid()}"}
+    if args.backlog:
+        try:
+            backlog_main(args, cluster, env)
+        finally:
+            cluster.close()
+            shutil.rmtree(secret_dir, ignore_errors=True)
+        return 0
     slab = max(8 * 2**20, max(args.block_sizes))
     daemons = []
     try:
