@@ -19,7 +19,7 @@ nothing behind. On CPUs without x86 memory ordering there are no mirrors
 (``seqlock_safe``).
 
 Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket)``, ``.stored(bucket, keys)``,
-``.removed(bucket, key)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``.
+``.removed(bucket, key)``, ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,12 @@ class LookupIndexes:
         entry = self._writers.get(bucket.id)
         if entry is not None and keys:
             entry[0].add(keys)
+
+    def cleared(self, bucket: Bucket) -> None:
+        """A flush hid every ready block of ``bucket`` at once (``pool/drain.py``)."""
+        entry = self._writers.get(bucket.id)
+        if entry is not None:
+            entry[0].clear()
 
     def removed(self, bucket: Bucket, key: bytes) -> None:
         entry = self._writers.get(bucket.id)

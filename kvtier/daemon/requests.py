@@ -19,6 +19,7 @@ from ..pool.swap import SwapTable
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from .copies import CopyRunner
+from .flushes import Flushes
 from ..protocol.arrays import HASH_BYTES, pack_ids
 from .ops import MAX_BLOCKS_PER_OP, LoadOp, OffloadOp, RestoreOp, StoreOp, check_keys
 from .sessions import Sessions
@@ -36,8 +37,9 @@ and BYE are still served so clients can tell "draining" from "gone"."""
 
 class RequestHandlers:
     def __init__(self, sessions: Sessions, copies: CopyRunner, index: BlockIndex, swap: SwapTable,
-                 stats: Callable[[ClientState], dict], remote=None):
+                 stats: Callable[[ClientState], dict], flushes: Flushes, remote=None):
         self.sessions, self.copies, self.index, self.swap = sessions, copies, index, swap
+        self.flushes = flushes
         self.stats = stats
         self.remote = remote  # RemoteBridge, or None
         self.disk = None      # DiskBridge, or None
@@ -175,7 +177,9 @@ class RequestHandlers:
         """A tenant flushes its own namespaces; an admin any (every tenant's
         namespace with that fingerprint, or everything). A flush removes what it
         names from every tier: namespaces only on disk (a restart leaves those)
-        included; a block in RAM and on disk counts once."""
+        included; a block in RAM and on disk counts once. What it names is hidden from
+        lookups at once and freed over the next loop turns; the reply comes when all
+        of it is freed (``flushes.py``)."""
         if len(msg.namespace) > 1024:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "namespace fingerprint must be 0..1024 chars")
 
@@ -189,10 +193,8 @@ class RequestHandlers:
         removed = 0
         if on_disk:
             removed = sum(1 for v in self.disk.flush_keys(on_disk) if not self.index.holds(v.ns_key, v.key))
-        if not msg.namespace and client.admin:
-            removed += self.index.flush(None)
-        else:
-            removed += sum(self.index.flush(ns) for ns in targets)
-        log.info("client %d (tenant %s) flushed %s: %d blocks removed", client.id, client.tenant,
-                 msg.namespace[:64] or "(all)", removed)
-        return m.Flushed(removed)
+        everything = not msg.namespace and client.admin
+        self.flushes.start(identity, req_id, list(self.index.namespaces.values()) if everything else targets,
+                           everything, removed, f"client {client.id} (tenant {client.tenant}) flushed "
+                           f"{msg.namespace[:64] or '(all)'}")
+        return None  # answered by flushes.step once its blocks are freed

@@ -39,7 +39,7 @@ import torch
 import zmq
 
 from ..disk.setup import open_disk
-from ..pool.allocator import SlabAllocator
+from ..pool.allocator import SlabAllocator, fit_warning
 from ..pool.index import BlockIndex
 from ..pool.policy import POLICIES
 from ..pool.segment import SHM_DIR, SegmentError, ShmSegment, cleanup_stale, unique_name, unlink_segment
@@ -51,6 +51,7 @@ from ..waker import Waker
 from .config import DaemonConfig
 from .copies import CopyRunner
 from .dispatch import Dispatcher
+from .flushes import Flushes
 from .housekeeping import Housekeeping
 from .guard import ConnectionGuard, fd_headroom, map_headroom
 from .listen import HANDOVER_SUFFIX, Listener, StartupError, UnfitConfig, remove_our_socket, take_socket_lock
@@ -101,6 +102,8 @@ class Daemon:
         self.pool = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size), POLICIES[config.policy](),
                                 config.tenant_share)
+        if (why := fit_warning(config.pool_size, config.slab_size)) is not None:
+            log.warning("%s", why)  # status counts the blocks the slabs hold, not the pool's size
         self.index.record_events = bool(config.events)
         self.event_seq = 0  # last block-event message number published
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
@@ -126,7 +129,8 @@ class Daemon:
             self.warm.adopt(self.index, self.copies.crcs if config.checksums else None)
             self.warm.journal.cap_tenants(config.tenant_share)  # its records, like its slabs
             self.index.journal = self.copies.journal = self.warm
-        self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats)
+        self.flushes = Flushes(self.index, self.listener.send, self.counters)
+        self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats, self.flushes)
         self.dispatcher = Dispatcher(lambda: self.config, self.listener, self.sessions, self.handlers,
                                      self.guard, lambda: self.stopping, self.counters, self.errors)
         from ..remote.bridge import open_remote  # here: redis is imported only when it is used
@@ -265,7 +269,7 @@ class Daemon:
                         drain_deadline = now + self.config.drain_timeout_s
                         log.info("shutting down: draining %d copies (up to %.0fs)",
                                  self.copies.pending, self.config.drain_timeout_s)
-                    if not self.copies.pending:
+                    if not self.copies.pending and not self.flushes.pending:
                         break
                     if now >= drain_deadline:
                         n = self.copies.cancel_all("daemon shutting down")
@@ -273,7 +277,8 @@ class Daemon:
                         if now >= drain_deadline + CANCEL_GRACE_S:
                             log.error("%d copies did not stop; exiting anyway", self.copies.pending)
                             break
-                timeout = min(max(0.0, next_reap - now), self._tick(), 0.25 if self.stopping else 60.0)
+                timeout = min(max(0.0, next_reap - now), self._tick(), 0.25 if self.stopping else 60.0,
+                              0.0 if self.flushes.pending else 60.0)  # a flush frees a slice per turn
                 if handover is not None:
                     polled = _sync_poller(poller, polled, handover.poll_fds())
                 events = dict(poller.poll(timeout * 1000))
@@ -298,6 +303,7 @@ class Daemon:
                         if handover is not None:
                             handover.expire(time.monotonic())
                         self.guard.expire(time.monotonic())
+                    self.flushes.step()
                     self._publish_events()
                 except Exception:  # a bug must not take every engine's cache down with it
                     log.exception("internal error in the daemon loop; continuing")

@@ -19,5 +19,5 @@ class Entry:
 
 
 def is_ready(e: Entry) -> bool:
-    """``e`` is still the READY entry of its key (not dropped or replaced since)."""
-    return e.state == READY and e.ns.entries.get(e.key) is e
+    """``e`` is still the READY entry of its key (not dropped, replaced or hidden by a flush since)."""
+    return e.ns.ready_map.get(e.key) is e  # the ready map holds READY entries only

@@ -22,7 +22,9 @@ Primitives (scheduler-style, no I/O):
   enter_in_order(entries)                  adopted entries into the policy, oldest first
   is_ready(e), holds(key, block), ready_entries(ns, keys), forget_empty(keep) -> [Bucket]
   capacity() -> dict                       pool and per-class occupancy (status)
-  flush(ns=None) -> int, check_integrity()
+  flush(ns=None) -> int                    all at once (tests, tools); the daemon spreads it:
+  drains: Drains                           start(buckets) hides at once, step(n) frees (pool/drain.py)
+  check_integrity()
   tenants: TenantShares                    slabs per tenant; with share < 1 a store at it evicts its own
   take_events() -> [(kind, namespace, hash)]  "stored" / "removed" (+ "disk_*", record()), if enabled
 """
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from . import integrity, reclaim
 from .entry import READY, Entry, is_ready
 from .allocator import IntegrityError, SlabAllocator
+from .drain import Drains
 from .policy import EvictionPolicy, LRUPolicy
 from .prefix import ready_prefix
 from .keys import owner_of
@@ -59,6 +62,7 @@ class Bucket:
     stats: Counter = field(default_factory=Counter)
     ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
     owner: str = ""          # tenant whose share its blocks count against (keys.owner_of)
+    hidden: list = field(default_factory=list)  # ready maps a flush detached, still draining (drain.py)
 
     def ready_blocks(self) -> int:
         return self.ready
@@ -98,6 +102,7 @@ class BlockIndex:
         self.journal = None  # optional: .removed(entry) before a READY entry's slot is freed (warm restart)
         self.lower = None  # optional tier below: .extend(ns, keys, hits) -> hits, .flushed(ns | None) (disk)
         self._events: list[tuple[str, str, bytes]] = []
+        self.drains = Drains(self)
 
     # ---- namespaces ----------------------------------------------------------
     def namespace(self, fingerprint: str, block_bytes: int) -> Bucket:
@@ -134,6 +139,8 @@ class BlockIndex:
         plan = StorePlan(ns, [None] * len(keys), [], [])
         # Blocks this store skips because they are present are part of the same
         # chain: making room must not evict them (the new blocks would be unreachable).
+        if ns.hidden:  # keys a flush hid are stored anew, not skipped
+            self.drains.revive(ns, keys)
         held = [e for e in map(ns.entries.get, keys) if e is not None and e.state == READY]
         for e in held:
             e.pins += 1
@@ -277,14 +284,21 @@ class BlockIndex:
             self._drop(e, removed=True)
 
     def flush(self, ns: Bucket | None = None) -> int:
-        """Drop READY unpinned entries (of one namespace or all); returns how many."""
-        victims = [e for n in ([ns] if ns else self.namespaces.values())
-                   for e in n.entries.values() if e.state == READY and e.pins == 0]
-        for e in victims:
-            self._drop(e, removed=True)
+        """Drop READY unpinned entries (of one namespace or all) in one call; returns how many.
+        The daemon spreads a flush over loop turns instead (``start_flush``, ``drains.step``)."""
+        job = self.start_flush([ns] if ns else list(self.namespaces.values()), ns is None)
+        while not job.done:
+            self.drains.step(1 << 30)
+        return job.removed
+
+    def start_flush(self, buckets: list[Bucket], everything: bool = False):
+        """Hide every READY block of ``buckets`` at once (``drains.step`` frees them); the
+        tier below forgets them now too (all of it when ``everything``). -> drain.Flush"""
+        job = self.drains.start(buckets)
         if self.lower is not None:
-            self.lower.flushed(ns)
-        return len(victims)
+            for ns in [None] if everything else buckets:
+                self.lower.flushed(ns)
+        return job
 
     # ---- space -----------------------------------------------------------------
     def alloc_for(self, ns: Bucket, n: int) -> list[int]:
@@ -349,19 +363,23 @@ class BlockIndex:
             if self.journal is not None:  # its record goes before its slot can be written again
                 self.journal.removed(e)
             e.ns.ready -= 1
-            del e.ns.ready_map[e.key]
-            if self.mirror is not None:
+            if e.ns.ready_map.pop(e.key, None) is None:
+                self.drains.unhide(e)  # a flush hid it (and its mirror entry)
+            elif self.mirror is not None:
                 self.mirror.removed(e.ns, e.key)
         del e.ns.entries[e.key]
         del self.by_offset[e.offset]
         self.alloc_.free(e.offset)  # a slab it empties is no longer its tenant's (owner_slabs)
 
     def capacity(self) -> dict:
-        """The pool's occupancy, as status shows it."""
+        """The pool's occupancy, as status shows it. ``capacity_bytes`` is what blocks can
+        occupy (whole slabs: used + free + waste), ``pool_bytes`` the mapping, ``tail_bytes``
+        the difference; ``sizes`` the blocks each registered size holds and can hold."""
         a = self.alloc_
-        return {"capacity_bytes": a.capacity, "used_bytes": a.used_bytes, "free_bytes": a.free_bytes,
-                "waste_bytes": a.waste_bytes, "slab_bytes": a.slab_bytes, "slabs": len(a.slabs),
-                "free_slabs": len(a.free_slabs)}
+        return {"capacity_bytes": a.capacity - a.tail_bytes, "pool_bytes": a.capacity, "tail_bytes": a.tail_bytes,
+                "used_bytes": a.used_bytes, "free_bytes": a.free_bytes, "waste_bytes": a.waste_bytes - a.tail_bytes,
+                "slab_bytes": a.slab_bytes, "slabs": len(a.slabs), "free_slabs": len(a.free_slabs),
+                "sizes": a.size_capacity()}
 
     # ---- integrity (kvtier/pool/integrity.py) -------------------------------------
     def counters(self) -> dict:

@@ -43,7 +43,11 @@ def check(index) -> None:
             problems.append(f"namespace {n.fingerprint}: entry links broken")
         if n.ready != sum(e.state == READY for e in n.entries.values()):
             problems.append(f"namespace {n.fingerprint}: ready count {n.ready} is wrong")
-        if n.ready_map != {k: e for k, e in n.entries.items() if e.state == READY}:
+        visible = dict(n.ready_map)  # with the maps a flush hid: every READY entry exactly once
+        for hidden in n.hidden:
+            visible.update(hidden)
+        if visible != {k: e for k, e in n.entries.items() if e.state == READY} or \
+                len(visible) != len(n.ready_map) + sum(map(len, n.hidden)):
             problems.append(f"namespace {n.fingerprint}: ready map disagrees with the entries")
     problems += index.tenants.problems(index)
     if problems:
