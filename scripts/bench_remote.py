@@ -300,12 +300,17 @@ def backlog_main(args, cluster, env: dict) -> dict:
     try:
         for tree, extra in trees.items():
             nodes[tree] = PrivateDaemon(str(pool), "8MiB", env={**env, **extra})
+        # Which code each node runs (run from a directory without kvtier/: python -m puts the
+        # working directory first on the daemon's path): only a backlog-era daemon reports one.
+        backlogs = {tree: "backlog_blocks" in remote(d) for tree, d in nodes.items()}
+        if args.baseline_tree and backlogs["baseline"] == backlogs["this"]:
+            raise RuntimeError(f"both nodes run the same code ({backlogs}): run from outside the trees")
         rows = backlog_rows(args, cluster, nodes, block)
     finally:
         for d in nodes.values():
             d.stop()
     report = {"machine": bl.machine_notes(), "queue_bytes": args.queue, "block_bytes": block,
-              "baseline_tree": args.baseline_tree, "rows": rows}
+              "baseline_tree": args.baseline_tree, "has_backlog": backlogs, "rows": rows}
     table = bl.table(["x allowance", "blocks", "tree", "share arrived (median)", "min", "ms until idle (median)",
                       "max ms"],
                      [[r["multiple"], r["blocks"], r["tree"], r["share_median"], r["share_min"], r["ms_median"],
