@@ -52,7 +52,7 @@ class DaemonConfig:
     drain_timeout_s: float = 30.0   # SIGTERM: copies still running after this are cancelled
     lookup_index: bool = False      # mirror ready hashes in shm: same-user clients look up without a round trip
     lookup_index_share: float = 0.0625  # /dev/shm the mirrors may take together, as a share of pool_size
-    swap_quota: int = 0             # default per-client swap bytes; 0 = no cap
+    swap_quota: int | None = None   # swap bytes per registered cache (default and cap); None ("") = no cap, 0 = no swap
     swap_max: float = 0.5           # fraction of the pool usable for swap
     events: str = ""                # PUB endpoint for block events; "" = off
     gpu: str = "auto"               # CUDA data path: auto (if a GPU is visible), on (required), off
@@ -118,8 +118,8 @@ class DaemonConfig:
             bad("reap_after_s", "must exceed heartbeat_s")
         if not 1 <= self.copy_threads <= 64:
             bad("copy_threads", "must be in [1, 64]")
-        if self.swap_quota < 0:
-            bad("swap_quota", "must be >= 0")
+        if self.swap_quota is not None and (not isinstance(self.swap_quota, int) or self.swap_quota < 0):
+            bad("swap_quota", "must be a size >= 0 (0: no swap), or \"\" for no cap")
         if not 0 < self.lookup_index_share <= 0.5:
             bad("lookup_index_share", "must be in (0, 0.5]")
         if not 0 <= self.swap_max <= 1:
@@ -250,7 +250,9 @@ def _coerce(key: str, value, source: str):
         raise ValueError(f"{source}: unknown config key {key!r}")
     kind = fields[key].type
     try:
-        if key in SIZE_KEYS and kind == "int":
+        if kind == "int | None" and value in ("", None):
+            return None  # unset: "" in a file, as for every key that can be off
+        if key in SIZE_KEYS and kind in ("int", "int | None"):
             return parse_size(value)
         if key.endswith("_mode"):
             return int(value, 8) if isinstance(value, str) else int(value)

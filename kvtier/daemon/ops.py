@@ -156,8 +156,8 @@ class OffloadOp(CopyOp):
         parsed = swap_requests(reg, msg.requests)
         accepted, refused, full = [], [], False
         for i, (request, ids) in enumerate(parsed):
-            rec, why = swap.prepare_offload(client.id, client.swap_quota, reg.ns, request, len(ids),
-                                            reg.layout.block_factor)
+            rec, why = swap.prepare_offload(client.id, reg.swap_quota, reg.ns, request, len(ids),
+                                            reg.layout.block_factor, cache=reg.id)
             if rec is None:
                 refused.append(i)
                 full |= why in ("no_space", "quota")

@@ -41,17 +41,25 @@ from ..transfer.specs import NoCudaPath, SpecError
 from .config import DaemonConfig
 from .peers import Peer
 from .tenancy import identify, ns_key
-from .state import ClientState, DaemonError, Registration, process_start
+from .state import NO_CAP, ClientState, DaemonError, Registration, process_start
 
 log = logging.getLogger("kvtier.daemon")
 MAX_REGISTRATIONS = 64
 
 
 def operator_quota(config: DaemonConfig) -> int | float:
-    """The operator's per-client swap cap in bytes (their ``swap_quota = 0``:
-    none, so infinity); a client's own quota is the minimum of both, and its
-    0 means no swap at all."""
-    return config.swap_quota or float("inf")
+    """The operator's swap cap per registered cache, in bytes: unset is no cap
+    (infinity), 0 no swap. It is every cache's default and its ceiling."""
+    return NO_CAP if config.swap_quota is None else config.swap_quota
+
+
+def cache_quota(asked: int, config: DaemonConfig) -> int | float:
+    """The swap quota REGISTER sets for its cache, once: ``asked`` is -1 for the
+    operator's (the wire's "unset"), else bytes (0: no swap), never above the
+    operator's cap. Any other negative number is refused."""
+    if asked < -1:
+        raise DaemonError(ErrorCode.BAD_ARGUMENT, "swap_quota must be -1 (the daemon's default) or bytes >= 0")
+    return operator_quota(config) if asked == -1 else min(asked, operator_quota(config))
 
 
 class Sessions:
@@ -62,6 +70,8 @@ class Sessions:
         self.clients: dict[bytes, ClientState] = {}
         self.mappings: Counter = Counter()  # uid (None: TCP) -> memory mappings its registrations hold
         self._next_client = self._next_reg = 0
+        if settings().swap_quota == 0:  # an older config's 0 meant "no cap": say what it means now
+            log.warning('swap_quota = 0: no cache may swap requests out (swap_quota = "" is no cap)')
 
     # ---- HELLO / BYE -------------------------------------------------------------------
     def hello(self, identity: bytes, msg: m.Hello, peer: Peer | None = None, conn_fd: int = -1) -> m.Welcome:
@@ -83,8 +93,8 @@ class Sessions:
         start = process_start(pid) if pid > 0 else None
         tenant, admin = identify(peer, config)
         self._next_client += 1
-        c = ClientState(self._next_client, identity, pid, msg.name[:128], start, swap_quota=operator_quota(config),
-                        peer=peer, tenant=tenant, admin=admin, conn_fd=conn_fd)
+        c = ClientState(self._next_client, identity, pid, msg.name[:128], start, peer=peer, tenant=tenant,
+                        admin=admin, conn_fd=conn_fd)
         self.clients[identity] = c
         log.info("client %d connected: pid=%d uid=%s tenant=%s%s name=%r", c.id, c.pid, c.uid, tenant,
                  " (admin)" if admin else "", c.name)
@@ -115,6 +125,7 @@ class Sessions:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "too many registrations for one client")
         if client.peer is None:
             raise DaemonError(ErrorCode.UNAUTHORIZED, "only local, kernel-identified clients may register memory")
+        swap_quota = cache_quota(msg.swap_quota, config)  # checked before anything is mapped
         key = ns_key(client.tenant, msg.namespace)
         if key not in self.index.namespaces:
             self._namespace_room(client.tenant, key, config.max_namespaces_per_user)
@@ -147,11 +158,9 @@ class Sessions:
             raise DaemonError(*error)
         self._next_reg += 1
         reg = Registration(self._next_reg, client, ns, layout, segments, copier,
-                           max_copy_pieces=config.max_copy_pieces)
+                           max_copy_pieces=config.max_copy_pieces, swap_quota=swap_quota)
         client.regs[reg.id] = reg
         self.mappings[client.uid] += len(segments)
-        if msg.swap_quota >= 0:  # a client may lower its quota (0: no swap), never raise it past the operator's
-            client.swap_quota = min(msg.swap_quota, operator_quota(config))
         log.info("client %d registered cache %d: namespace=%r block=%d bytes x %d blocks",
                  client.id, reg.id, msg.namespace, layout.block_bytes, layout.num_blocks)
         mirror = self.lookup_indexes.segment_for(ns) if self.lookup_indexes is not None else ""

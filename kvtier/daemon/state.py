@@ -14,6 +14,7 @@ from ..transfer.layout import KVLayout
 
 
 MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT: anything above is no process
+NO_CAP = float("inf")  # a swap quota nobody set: only the pool-wide swap cap applies
 
 
 class DaemonError(Exception):
@@ -45,7 +46,6 @@ class ClientState:
     last_seen: float = field(default_factory=time.monotonic)
     regs: dict = field(default_factory=dict)
     ops: dict = field(default_factory=dict)   # request id -> CopyOp in flight
-    swap_quota: int | float = float("inf")  # bytes (0: no swap); inf: only the pool-wide cap applies
     peer: Any = None                  # kernel credentials (peers.Peer); None: remote (TCP)
     conn_fd: int = -1                 # the connection it said HELLO on (libzmq's descriptor)
     hung_up: bool = False             # that connection closed (reaped at the next pass)
@@ -81,3 +81,4 @@ class Registration:
     inflight: int = 0
     closing: bool = False
     max_copy_pieces: int = 1 << 20     # the operator's cap when it registered
+    swap_quota: int | float = NO_CAP   # bytes this cache may hold in swap (0: none), set once at REGISTER

@@ -3,8 +3,8 @@
 Swap records are not content-addressed, never shared, never evicted while the
 owner lives. Their slots come from the same slab pool as the prefix cache:
 allocation evicts prefix blocks (never swap: swap slots are invisible to the
-eviction policy and pin their slab). Each owner has a byte quota and all swap
-together is capped at a share of the pool. With per-tenant shares on, swap is
+eviction policy and pin their slab). Each owner's cache (its registration,
+``cache``) has a byte quota and all swap together is capped at a share of the pool. With per-tenant shares on, swap is
 the tenant's like its prefix blocks: its slots are taken within its share
 (``index.alloc_for``), so at its share an offload evicts the tenant's own
 oldest blocks, never another tenant's.
@@ -16,7 +16,7 @@ READY on failure, so the engine may retry). ``discard`` and
 ends.
 
 Primitives: ``prepare_offload``, ``complete_offload``, ``prepare_restore``,
-``complete_restore``, ``discard``, ``release_owner``, ``owner_bytes``.
+``complete_restore``, ``discard``, ``release_owner``, ``owner_bytes``, ``cache_bytes``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class SwapRecord:
     offsets: list[int] = field(default_factory=list)
     state: str = WRITING
     doomed: bool = False      # discarded or owner gone while a copy ran
+    cache: int = 0            # the owner's cache whose quota it counts against
 
     @property
     def nbytes(self) -> int:
@@ -49,6 +50,7 @@ class SwapTable:
         self.max_bytes = max_bytes
         self.records: dict[tuple[int, str], SwapRecord] = {}
         self._owner_bytes: dict[int, int] = {}
+        self._cache_bytes: dict[tuple[int, int], int] = {}  # (owner, cache) -> bytes, for quotas
         self.total_bytes = 0
         # Swap slots per slab. A slab holding one swap slot is pinned whole (no eviction
         # there), so the pool-wide cap counts slabs, not block bytes: eight one-block
@@ -66,19 +68,23 @@ class SwapTable:
         return sum(1 for o, _ in self.records if o == owner)
 
     # ---- offload ----------------------------------------------------------------
+    def cache_bytes(self, owner: int, cache: int) -> int:
+        return self._cache_bytes.get((owner, cache), 0)
+
     def prepare_offload(self, owner: int, quota: int | float, ns: Bucket, request: str,
-                        engine_blocks: int, block_factor: int) -> tuple[SwapRecord | None, str]:
-        """Reserve room for one request, all or nothing. Returns (record, "") or
-        (None, reason) with reason "exists", "quota" or "no_space"."""
+                        engine_blocks: int, block_factor: int, cache: int = 0) -> tuple[SwapRecord | None, str]:
+        """Reserve room for one request, all or nothing: ``quota`` bounds what
+        the owner's ``cache`` holds. Returns (record, "") or (None, reason) with
+        reason "exists", "quota" or "no_space"."""
         if (owner, request) in self.records:
             return None, "exists"
         slots = -(-engine_blocks // block_factor)
         need = slots * ns.block_bytes
-        if self.owner_bytes(owner) + need > quota:  # 0 is a quota too: no swap
+        if self.cache_bytes(owner, cache) + need > quota:  # 0 is a quota too: no swap
             return None, "quota"
         if self.total_bytes + need > self.max_bytes:
             return None, "no_space"
-        rec = SwapRecord(owner, request, ns, engine_blocks, self.index.alloc_for(ns, slots))
+        rec = SwapRecord(owner, request, ns, engine_blocks, self.index.alloc_for(ns, slots), cache=cache)
         if len(rec.offsets) < slots:
             for o in rec.offsets:
                 self.index.free(o)
@@ -93,7 +99,7 @@ class SwapTable:
             self._slab_slots[slab_of(o)] = self._slab_slots.get(slab_of(o), 0) + 1
         self.index.pinned_offsets.update(rec.offsets)
         self.records[(owner, request)] = rec
-        self._account(owner, rec.nbytes)
+        self._account(rec, rec.nbytes)
         return rec, ""
 
     def complete_offload(self, rec: SwapRecord, ok: bool) -> None:
@@ -147,15 +153,16 @@ class SwapTable:
             self._slab_slots[s] -= 1
             if not self._slab_slots[s]:
                 del self._slab_slots[s]
-        self._account(rec.owner, -rec.nbytes)
+        self._account(rec, -rec.nbytes)
 
-    def _account(self, owner: int, delta: int) -> None:
+    def _account(self, rec: SwapRecord, delta: int) -> None:
         self.total_bytes += delta
-        left = self._owner_bytes.get(owner, 0) + delta
-        if left:
-            self._owner_bytes[owner] = left
-        else:
-            self._owner_bytes.pop(owner, None)
+        for table, key in ((self._owner_bytes, rec.owner), (self._cache_bytes, (rec.owner, rec.cache))):
+            left = table.get(key, 0) + delta
+            if left:
+                table[key] = left
+            else:
+                table.pop(key, None)
 
     def counters(self) -> dict:
         return {"records": len(self.records), "bytes": self.total_bytes,

@@ -15,6 +15,7 @@ from tests.helpers import NS, block_bytes, make_kv
 
 WINDOW = Namespace("tiny-llama", "float16", "flashinfer", 16, extra="group1")
 HASHES = [bytes([i]) * 16 for i in range(8)]
+SWAP_BLOCK = 16 * 1024  # one block of make_kv()'s cache: 4 layers x 2 x 16 tokens x 2 heads x 32 x fp16
 
 
 def equal(kv, a, b) -> bool:
@@ -117,3 +118,42 @@ def test_one_connection_cannot_register_without_bound(daemon):
             assert v.close()
     assert wait_for(lambda: not clients_of(daemon), 5)
     kv.close()
+
+
+def test_each_cache_on_one_connection_is_held_to_its_own_swap_quota(daemon_factory):
+    """Three caches on one connection, three swap quotas: 4 blocks, none, and
+    the operator's default of 8. Each is held to its own, whatever registered
+    after it (every REGISTER used to reset one quota for the whole connection,
+    so the last cache's 0 would have stopped the first one's swap too); and
+    what a cache swapped out comes back byte for byte."""
+    d = daemon_factory(env={"KVTIER_SWAP_QUOTA": str(8 * SWAP_BLOCK)})
+    first, window, second = make_kv(seed=7), make_kv(seed=8), make_kv(seed=9)
+    with d.client(name="engine") as a:
+        b, c = a.share(), a.share()
+        a.register_kv_cache(first, [0] * 4, NS, swap_quota=4 * SWAP_BLOCK)
+        b.register_kv_cache(window, [0] * 4, WINDOW, swap_quota=0)
+        c.register_kv_cache(second, [0] * 4, NS)  # the same namespace as a: still a quota of its own
+        (row,) = clients_of(d)
+        assert sorted(q["swap_quota"] for q in row["caches"]) == [0, 4 * SWAP_BLOCK, 8 * SWAP_BLOCK]
+
+        saved = [t[0:4].clone() for t in first.tensors]
+        assert a.offload("a1", [0, 1, 2, 3]).wait().ok          # a's 4 blocks fit its quota
+        over = a.offload("a2", [4]).wait()                        # a fifth does not
+        assert over.failed_requests == ("a2",) and over.no_space
+        refused = b.offload("b1", [0]).wait()                     # b may not swap at all
+        assert refused.failed_requests == ("b1",) and refused.no_space
+        assert c.offload("c1", list(range(8))).wait().ok          # c has the operator's 8
+        assert not c.offload("c2", [8]).wait().ok
+
+        (row,) = clients_of(d)
+        per_cache = {q["id"]: q["swap_bytes"] for q in row["caches"]}
+        assert sorted(per_cache.values()) == [0, 4 * SWAP_BLOCK, 8 * SWAP_BLOCK]
+        assert row["swap_bytes"] == 12 * SWAP_BLOCK and row["swap_requests"] == 2
+
+        for t in first.tensors:  # the engine reuses those blocks
+            t.normal_()
+        assert a.restore("a1", [20, 21, 22, 23]).wait().ok
+        assert all(torch.equal(s, t[20:24]) for s, t in zip(saved, first.tensors))
+        assert a.offload("a3", [5, 6]).wait().ok                  # its room is back, only its own
+    for kv in (first, window, second):
+        kv.close()

@@ -6,10 +6,12 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from kvtier.client import Client, KVTierError
 from kvtier.protocol import ErrorCode
+from kvtier.protocol import messages as m
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv, spawn
 
@@ -85,7 +87,7 @@ def test_quotas_across_two_clients_and_the_pool_cap(daemon_factory):
     kv1, kv2 = make_kv(seed=1), make_kv(seed=2)
     with d.client(name="one") as a, d.client(name="two") as b:
         a.register_kv_cache(kv1, [0] * 4, NS)
-        b.register_kv_cache(kv2, [0] * 4, NS, swap_quota=16 * BLOCK)  # per-client override
+        b.register_kv_cache(kv2, [0] * 4, NS, swap_quota=16 * BLOCK)  # this cache's own, below the operator's
         # One can take 40 blocks, not 41: the 3rd request breaks its quota.
         r = a.offload({"a1": list(range(20)), "a2": list(range(20)), "a3": [0]}).wait()
         assert (r.done, r.failed_requests, r.no_space) == (2, ("a3",), True)
@@ -135,3 +137,23 @@ def test_killed_client_swap_is_freed(daemon, tmp_path):
     assert wait_for(lambda: daemon.stats()["swap"]["bytes"] == 0, 10)
     s = daemon.stats()
     assert s["swap"]["requests"] == 0 and s["pool"]["used_bytes"] == 0
+
+
+def test_a_swap_quota_that_is_no_byte_count_is_refused_on_both_sides(daemon):
+    """A cache's swap quota is None (the daemon's default), 0 (no swap) or
+    bytes. The client refuses anything else before sending; a peer that sends
+    a negative quota other than the wire's -1 ("unset") anyway gets a typed
+    refusal, nothing is registered, and the daemon serves on."""
+    kv = make_kv(seed=12)
+    with daemon.client(name="odd-quota") as c:
+        for quota in (-1, -(2**40), True, 1.5, "1MiB"):
+            with pytest.raises(ValueError):
+                c.register_kv_cache(kv, [0] * 4, NS, swap_quota=quota)
+        for quota in (-2, -(2**63)):
+            with pytest.raises(KVTierError) as exc:
+                c.channel.call(m.Register(NS.fingerprint(), [], 1, quota))
+            assert exc.value.code == ErrorCode.BAD_ARGUMENT and "swap_quota" in exc.value.message
+        assert [r["caches"] for r in daemon.stats()["clients"] if r["name"] == "odd-quota"] == [[]]
+        c.register_kv_cache(kv, [0] * 4, NS, swap_quota=None)
+        assert c.offload("r", [0, 1]).wait().ok
+    kv.close()
