@@ -98,7 +98,8 @@ def render_status(s: dict) -> str:
         f"kvtier-daemon pid {s['pid']}  up {s['uptime_s']:.0f}s  socket {s['socket']}",
         f"pool      {format_size(p['capacity_bytes'])} capacity, {format_size(p['used_bytes'])} used, "
         f"{format_size(p['free_bytes'])} free, {format_size(p['waste_bytes'])} waste, "
-        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})" + _pinned(p),
+        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})" + _pinned(p) + _tail(p),
+        *_sizes(p.get("sizes", [])),
         f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
         f"loads {t['loaded']} blocks ({format_size(t['load_bytes'])})",
@@ -140,6 +141,19 @@ def render_namespaces(rows: list[dict]) -> str:
                      f"{n['blocks']:>8} {format_size(n['bytes']):>12} {n['hits']:>9} {n['misses']:>9} "
                      f"{hit:>6} {n['stored']:>9} {n['loaded']:>9} {n['evicted']:>9}")
     return "\n".join(lines)
+
+
+def _tail(p: dict) -> str:
+    """The end of a pool that is not a multiple of the slab: mapped, never holding a block."""
+    if not p.get("tail_bytes"):
+        return ""
+    return f"; {format_size(p['tail_bytes'])} of the {format_size(p['pool_bytes'])} pool is past the last slab (unused)"
+
+
+def _sizes(rows: list[dict]) -> list[str]:
+    """Blocks each registered size holds and can hold (whole slabs of it)."""
+    return [f"blocks    {format_size(r['block_bytes'])}: {r['blocks']} held, {r['free_blocks']} more fit, "
+            f"{r['max_blocks']} at most ({r['per_slab']} per slab)" for r in rows]
 
 
 def _disk(d: dict) -> list[str]:

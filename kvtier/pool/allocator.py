@@ -16,10 +16,15 @@ occupy - what its blocks really take of the pool, however few and small.
 Waste reported = unassigned tail of the pool + per assigned slab the space
 that does not fit a whole slot + per used slot the stride rounding.
 
+Blocks live in whole slabs only: a pool that is not a multiple of the slab
+has a tail no block ever uses (``tail_bytes``; ``fit_warning`` says so at
+start), and how many blocks of a size fit is slabs x slots per slab, not the
+pool's size over the block's (``size_capacity``).
+
 Primitives: ``add_class(block_bytes, owner="") -> cls``, ``alloc(cls) -> offset | None``,
 ``alloc_many(cls, n) -> [offset]`` (ascending runs, fewer when full), ``free(offset)``, ``slab_of(offset)``, ``used_offsets(slab)``,
 ``claim([(cls, offset)]) -> [bool]`` (warm restart: take exactly these slots), ``owner_slabs``,
-``check_integrity()``.
+``tail_bytes``, ``size_capacity() -> [dict]``, ``fit_warning(pool, slab) -> str | None``, ``check_integrity()``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,18 @@ class Slab:
     free: list[int] = field(default_factory=list)  # free slot indices, a min-heap
     used: int = 0
     taken: bytearray = field(default_factory=bytearray)  # 1 per slot in use: catches double frees
+
+
+def fit_warning(pool_bytes: int, slab_bytes: int) -> str | None:
+    """Why a pool of this size holds fewer blocks than its size suggests, or None."""
+    slabs, tail = divmod(pool_bytes, slab_bytes)
+    if not slabs:
+        return f"pool_size {pool_bytes} is smaller than one slab ({slab_bytes} bytes): it holds no blocks"
+    if tail:
+        return (f"pool_size {pool_bytes} is not a multiple of slab_size {slab_bytes}: blocks live in whole "
+                f"slabs, so {slabs} slab(s) hold blocks and the last {tail} bytes never do "
+                f"(pool_size {slabs * slab_bytes} or {(slabs + 1) * slab_bytes} wastes nothing)")
+    return None
 
 
 class SlabAllocator:
@@ -211,6 +228,25 @@ class SlabAllocator:
     @property
     def free_bytes(self) -> int:
         return self.capacity - self.used_bytes - self.waste_bytes
+
+    @property
+    def tail_bytes(self) -> int:
+        """The end of the pool no slab covers: no block ever lives there."""
+        return self.capacity - len(self.slabs) * self.slab_bytes
+
+    def size_capacity(self) -> list[dict]:
+        """Per registered block size (ascending): blocks held; ``max_blocks``, what the pool
+        holds of that size alone (every slab its, slots of ``stride`` bytes); ``free_blocks``,
+        how many more fit now without evicting (free slabs, and free slots of that size's
+        partial slabs, whoever's class they belong to when shares are on)."""
+        rows: dict[int, dict] = {}
+        for c in self.classes:
+            row = rows.setdefault(c.block_bytes, {
+                "block_bytes": c.block_bytes, "stride": c.stride, "per_slab": c.per_slab, "blocks": 0,
+                "max_blocks": len(self.slabs) * c.per_slab, "free_blocks": len(self.free_slabs) * c.per_slab})
+            row["blocks"] += c.used
+            row["free_blocks"] += sum(len(self.slabs[s].free) for s in c.partial)
+        return [rows[b] for b in sorted(rows)]
 
     def counters(self) -> dict:
         return {
