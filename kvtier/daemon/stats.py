@@ -11,6 +11,8 @@ from typing import Protocol
 
 from ..protocol.messages import PROTOCOL_VERSION
 from ..pool.index import STAT_KEYS
+from .sessions import operator_quota
+from .state import NO_CAP
 from .tenancy import split_key
 
 class StatsSource(Protocol):
@@ -31,6 +33,24 @@ class StatsSource(Protocol):
     counters: dict
     errors: dict
     started: float
+
+
+def _client_row(d: StatsSource, c) -> dict:
+    """One session and its caches. A quota is bytes, 0 no swap, None no cap;
+    the session's ``swap_quota`` is the smallest of its caches' (the
+    operator's default before it registers one)."""
+    caches = [{"id": r.id, "namespace": split_key(r.ns.fingerprint)[1], "swap_quota": _quota(r.swap_quota),
+               "swap_bytes": d.swap.cache_bytes(c.id, r.id)} for r in c.regs.values() if not r.closing]
+    quota = min((r.swap_quota for r in c.regs.values() if not r.closing), default=operator_quota(d.config))
+    return {"id": c.id, "pid": c.pid, "uid": c.uid, "tenant": c.tenant, "name": c.name,
+            "connected_s": round(time.time() - c.connected, 3),
+            "namespaces": sorted({split_key(r.ns.fingerprint)[1] for r in c.regs.values()}),
+            "inflight": len(c.ops), "swap_bytes": d.swap.owner_bytes(c.id),
+            "swap_quota": _quota(quota), "swap_requests": d.swap.owner_requests(c.id), "caches": caches}
+
+
+def _quota(q: int | float) -> int | None:
+    return None if q == NO_CAP else q
 
 
 def daemon_stats(d: StatsSource, viewer=None) -> dict:
@@ -59,12 +79,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
     for k in ("store_bytes", "load_bytes", "stores", "loads", "offload_bytes", "restore_bytes",
               "offloads", "restores", "requests", "reaped", "cancelled", "stats_withheld"):
         totals[k] = d.counters[k]
-    clients = [{"id": c.id, "pid": c.pid, "uid": c.uid, "tenant": c.tenant, "name": c.name,
-                "connected_s": round(time.time() - c.connected, 3),
-                "namespaces": sorted({split_key(r.ns.fingerprint)[1] for r in c.regs.values()}),
-                "inflight": len(c.ops), "swap_bytes": d.swap.owner_bytes(c.id),
-                "swap_quota": c.swap_quota if c.swap_quota != float("inf") else None, "swap_requests": d.swap.owner_requests(c.id)}
-               for c in d.sessions.clients.values() if everything or c.tenant == viewer.tenant]
+    clients = [_client_row(d, c) for c in d.sessions.clients.values() if everything or c.tenant == viewer.tenant]
     return {
         "version": PROTOCOL_VERSION, "pid": os.getpid(),
         "uptime_s": round(time.time() - d.started, 3), "socket": d.config.socket,
