@@ -123,7 +123,8 @@ def test_values_expire_after_the_ttl_and_the_budget_caps_what_one_node_writes(ma
     pool = filled_pool(10)
     t = make_tier(pool, ttl_s=120.0, budget=3 * SIZE)
     assert t.write(FP, keys, [i * SIZE for i in range(10)], SIZE, "w")
-    wait_jobs(t, 1)
+    [job] = wait_jobs(t, 1)
+    assert (job.failed, job.dropped) == ([], {"budget": 7})  # for good: the caller counts, never retries
     s = t.stats()
     assert (s["written"], s["budget_skipped"], s["window_bytes"]) == (3, 7, 3 * SIZE)
     r = cluster.client()
@@ -246,3 +247,31 @@ def test_a_fetch_cancelled_while_queued_behind_a_hung_one_is_answered_at_once(ow
     finally:
         a.close()
         b.close()
+
+
+def test_a_write_the_store_could_not_take_is_reported_for_a_retry_and_the_store_coming_back_is_announced(
+        own_cluster):
+    """Every master SIGKILLed: a write job comes back with every block ``failed`` (the caller's
+    backlog takes them back), nothing ``dropped``. Probes open the breaker; once the cluster is
+    back, the tier hands the caller a "healed" job so its backlog goes on, and a write lands."""
+    t = RemoteTier(RemoteSettings(own_cluster.url, secret=SECRET, timeout_s=0.5), filled_pool(4))
+    try:
+        own_cluster.kill()
+        assert t.write(FP, chain(12, 4), [i * SIZE for i in range(4)], SIZE, "w") == 4
+        [job] = wait_jobs(t, 1)
+        assert (job.token, sorted(job.failed), job.dropped) == ("w", [0, 1, 2, 3], {})
+        while t.stats()["state"] != "open":
+            assert t.probe(FP, chain(12, 4), "p")
+            wait_jobs(t, 1)
+        own_cluster.start()
+        own_cluster.wait_ok()
+        deadline = time.monotonic() + 60
+        while not any(j.kind == "healed" for j in t.completed()):
+            assert time.monotonic() < deadline, f"no healed job: {t.stats()}"
+            select.select([t.wakeup_fd], [], [], 1.0)
+        assert t.available()
+        assert t.write(FP, chain(12, 4), [i * SIZE for i in range(4)], SIZE, "again") == 4
+        [job] = wait_jobs(t, 1)
+        assert (job.failed, t.stats()["written"]) == ([], 4)
+    finally:
+        t.close()
