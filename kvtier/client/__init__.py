@@ -1,16 +1,18 @@
 """Engine-side client library.
 
     from kvtier.client import Client, Namespace, ShmKVCache, CudaKVCache, block_hashes
+    from kvtier.client import Connection      # one link, several caches: Client(connection=...)
     from kvtier.client import adopt_tensors   # engine-allocated CPU tensors -> shareable cache
 """
 
 from ..protocol.hashing import block_hashes, chain_hash
 from .client import Client
+from .connection import Connection
 from .errors import DaemonUnavailable, KVTierError
 from .handles import TransferHandle, TransferResult
 from .namespace import Namespace
 
-__all__ = ["Client", "CudaKVCache", "DaemonUnavailable", "KVTierError", "Namespace", "ShmKVCache",
+__all__ = ["Client", "Connection", "CudaKVCache", "DaemonUnavailable", "KVTierError", "Namespace", "ShmKVCache",
            "TransferHandle", "TransferResult", "adopt_tensors", "block_hashes", "chain_hash"]
 
 
