@@ -93,6 +93,16 @@ def test_blocks_that_leave_ram_before_their_turn_are_counted_as_not_written(daem
     assert "backlog 0 blocks" in line and "not written 16 (evicted 16)" in line
 
 
+def test_a_daemon_stopping_with_a_backlog_says_how_many_blocks_it_did_not_write(daemon_factory, own_cluster):
+    """The cluster is down and 16 blocks wait: a clean stop cannot write them, and says so."""
+    cl = own_cluster
+    a = node(daemon_factory, cl.url, env=QUEUE)
+    open_breaker(a, cl)
+    store_prefix(a, chain(5_000_000, 16), seed=33, ids=range(3, 19))
+    a.stop()
+    assert "16 committed blocks still in the write backlog are not written (the daemon stops)" in a.read_log()
+
+
 def test_a_flood_of_stores_while_the_cluster_is_down_keeps_the_backlog_within_the_pool(daemon_factory,
                                                                                        own_cluster):
     """Hostile volume: three 32-block stores into a 64-block pool while the cluster is down.
