@@ -23,9 +23,9 @@ A store of any length reaches the store whole as the queue drains: the backlog
 block is read from the pool when its turn comes if it is still there; what is
 not written is counted per tenant and why (``not_written``): ``evicted`` (left
 RAM before its turn, by eviction or flush), ``backlog_full``, ``budget``,
-``rejected`` (the server refused it), ``error``. While the store is unreachable
-the backlog waits (blocks of a failed write rejoin it) and goes on when the
-breaker closes.
+``rejected`` (the server refused it), ``error``, ``too_large`` (a block larger
+than the whole allowance). While the store is unreachable the backlog waits
+(blocks of a failed write rejoin it) and goes on when the breaker closes.
 
 Blocks that arrive from the store are committed as ordinary pool blocks
 (lookups see them, block events announce them, eviction may drop them) but are
@@ -102,8 +102,12 @@ class RemoteBridge:
         entries = [e for e in plan.entries if e is not None and self.index.is_ready(e)]
         if not entries or self._name(plan.ns) is None:
             return
+        tenant = owner_of(plan.ns.fingerprint)
+        if plan.ns.block_bytes > self.tier.settings.queue_bytes:  # would wait for room forever
+            self.backlog.lost(tenant, "too_large", len(entries))
+            return
         # The chain's start first: a prefix is what another node can use before the rest lands.
-        self.backlog.add(owner_of(plan.ns.fingerprint), plan.ns, [e.key for e in entries])
+        self.backlog.add(tenant, plan.ns, [e.key for e in entries])
         self._feed()
 
     def _feed(self) -> None:

@@ -93,6 +93,15 @@ def test_blocks_that_leave_ram_before_their_turn_are_counted_as_not_written(daem
     assert "backlog 0 blocks" in line and "not written 16 (evicted 16)" in line
 
 
+def test_blocks_larger_than_the_whole_allowance_are_counted_at_once_not_held_forever(daemon_factory, cluster):
+    """remote_queue 8 KiB, blocks of 16 KiB: no block could ever be in flight, so a store's
+    12 are counted 'too_large' at commit, and the backlog stays empty (before: queue_full)."""
+    a = node(daemon_factory, cluster.url, env={"KVTIER_REMOTE_QUEUE": "8KiB"})
+    store_prefix(a, chain(6_000_000, 12), seed=34)
+    r = remote_stats(a)
+    assert (r["backlog_blocks"], r["written"], r["not_written"]) == (0, 0, {TEAM: {"too_large": 12}})
+
+
 def test_a_daemon_stopping_with_a_backlog_says_how_many_blocks_it_did_not_write(daemon_factory, own_cluster):
     """The cluster is down and 16 blocks wait: a clean stop cannot write them, and says so."""
     cl = own_cluster
