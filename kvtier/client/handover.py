@@ -22,11 +22,11 @@ from __future__ import annotations
 import os
 import pwd
 import socket
-import stat
 import struct
 
 import msgpack
 
+from ..ownership import distrust
 from .errors import DaemonUnavailable
 
 ENV_DAEMON_USER = "KVTIER_DAEMON_USER"
@@ -70,17 +70,16 @@ def check_daemon_socket(path: str) -> None:
         dst = os.stat(d)
     except FileNotFoundError:
         return
-    if dst.st_uid not in uids or dst.st_mode & 0o022:
-        raise UntrustedSocket(f"refusing {path}: its directory belongs to uid {dst.st_uid} (mode "
-                              f"{stat.S_IMODE(dst.st_mode):o}); expected one of {sorted(uids)}, "
-                              f"not writable by others (set ${ENV_DAEMON_USER})")
+    why = distrust(dst, "directory", uids)
+    if why:
+        raise UntrustedSocket(f"refusing {path}: its directory: {why} (set ${ENV_DAEMON_USER})")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(st.st_mode) or st.st_uid not in uids:
-        raise UntrustedSocket(f"refusing {path}: not a socket of uid {sorted(uids)} "
-                              f"(owner uid {st.st_uid}; set ${ENV_DAEMON_USER})")
+    why = distrust(st, "socket", uids, deny=0)
+    if why:
+        raise UntrustedSocket(f"refusing {path}: {why} (set ${ENV_DAEMON_USER})")
 
 
 def hand_over(path: str, fds: list[int], timeout: float = 5.0) -> str:

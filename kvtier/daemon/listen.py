@@ -13,10 +13,10 @@ import fcntl
 import grp
 import logging
 import os
-import stat
 
 import zmq
 
+from ..ownership import distrust, ours, ours_or_root
 from ..protocol.codec import encode
 from ..protocol.endpoints import endpoint
 from .config import DaemonConfig, admin_gid
@@ -58,10 +58,10 @@ def take_socket_lock(path: str) -> int | None:
         fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:  # ELOOP: a symlink planted where the lock goes
         raise StartupError(f"lock file {path}.lock: {exc.strerror}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    why = distrust(os.fstat(fd), "regular file", ours(), deny=0)  # its mode is set just below
+    if why:
         os.close(fd)
-        raise StartupError(f"lock file {path}.lock is not a regular file of ours; remove it")
+        raise StartupError(f"lock file {path}.lock is not a regular file of ours ({why}); remove it")
     os.fchmod(fd, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -78,14 +78,9 @@ def check_socket_dir(d: str) -> None:
         st = os.lstat(d)
     except OSError as exc:
         raise StartupError(f"socket directory {d}: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise StartupError(f"socket directory {d} is not a directory (a link?)")
-    if st.st_uid not in (os.geteuid(), 0):
-        raise StartupError(f"socket directory {d} belongs to uid {st.st_uid}, not to the daemon's user "
-                           f"(uid {os.geteuid()}): someone else could swap the socket")
-    if st.st_mode & 0o022:
-        raise StartupError(f"socket directory {d} is writable by group or others (mode "
-                           f"{stat.S_IMODE(st.st_mode):o}): someone else could swap the socket")
+    why = distrust(st, "directory", ours_or_root())  # an lstat: a link is not a directory
+    if why:
+        raise StartupError(f"socket directory {d}: {why}: someone else could swap the socket")
 
 
 def remove_our_socket(path: str) -> None:
@@ -94,8 +89,9 @@ def remove_our_socket(path: str) -> None:
         st = os.lstat(path)
     except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-        raise StartupError(f"{path} exists and is not a socket of ours; refusing to remove it")
+    why = distrust(st, "socket", ours(), deny=0)
+    if why:
+        raise StartupError(f"{path} exists and is not a socket of ours ({why}); refusing to remove it")
     os.unlink(path)
 
 

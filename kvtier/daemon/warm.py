@@ -42,9 +42,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import stat
 import time
 
+from ..ownership import distrust, ours
 from ..pool.index import is_ready
 from ..pool.journal import Journal, journal_bytes
 from ..pool.segment import SHM_DIR, SegmentError, ShmSegment, unlink_segment
@@ -87,7 +87,7 @@ class WarmPool:
             st = os.stat(SHM_DIR + self.pool_name, follow_symlinks=False)
         except OSError:
             return 0
-        return st.st_size if st.st_uid == os.geteuid() and stat.S_ISREG(st.st_mode) else 0
+        return 0 if distrust(st, "regular file", ours(), deny=0) else st.st_size
 
     def open(self) -> ShmSegment | None:
         """The pool segment: the kept one when it fits these settings, else a new one;
@@ -234,15 +234,12 @@ class WarmPool:
 
 
 def _vet(size: int | None, mode: int):
-    uid = os.geteuid()
+    owners = ours()
 
     def check(st: os.stat_result) -> str:
-        if not stat.S_ISREG(st.st_mode):
-            return "not a regular shared memory object"
-        if st.st_uid != uid:
-            return f"owned by uid {st.st_uid}, not this daemon's uid {uid}"
-        if stat.S_IMODE(st.st_mode) != mode:
-            return f"mode {stat.S_IMODE(st.st_mode):o}, expected {mode:o} (shm_mode)"
+        why = distrust(st, "regular file", owners, mode=mode)
+        if why:
+            return f"the shared memory object: {why}" + (" (shm_mode)" if why.startswith("mode") else "")
         if size is not None and st.st_size != size:
             return f"{st.st_size} bytes, expected {size} (pool_size changed?)"
         return ""

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import stat
 import threading
 from collections import Counter
 
+from ..ownership import GROUP_OTHERS_ANY, distrust
 from .format import HEADER_BYTES, TMP_DIR, decode_header, ns_dir, parse_name
 
 log = logging.getLogger("kvtier.disk")
@@ -26,15 +26,8 @@ OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 def check_file(st: os.stat_result, uid: int, size: int | None = None) -> str:
     """Why a block file may not be read ("" = it may): another user's file, one
     others could have written, a non-regular file, or one of the wrong size."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid != uid:
-        return f"owned by uid {st.st_uid}, not the daemon's"
-    if st.st_mode & 0o077:
-        return f"mode {stat.S_IMODE(st.st_mode):o} lets others in"
-    if size is not None and st.st_size != HEADER_BYTES + size:
-        return f"{st.st_size} bytes, expected {HEADER_BYTES + size}"
-    return ""
+    return distrust(st, "regular file", (uid,), deny=GROUP_OTHERS_ANY,
+                    size=None if size is None else HEADER_BYTES + size)
 
 
 

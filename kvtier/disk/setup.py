@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 
+from ..ownership import distrust, ours, ours_or_root
 from ..pool.sizes import format_size
 from .bridge import DiskBridge
 from .format import TMP_DIR
@@ -31,38 +32,32 @@ QUEUE_BYTES = 256 * 2**20  # write-behind held in the pool at most (and a quarte
 
 def check_dir(path: str) -> str:
     root = os.path.abspath(path)
-    uid = os.geteuid()
     if not os.path.lexists(root):
         try:
             os.mkdir(root, 0o700)
         except OSError as exc:
             raise ValueError(f"disk_path {root}: cannot create it: {exc}") from None
-    st = os.lstat(root)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"disk_path {root}: not a directory (a symlink is refused too)")
-    if st.st_uid != uid:
-        raise ValueError(f"disk_path {root}: owned by uid {st.st_uid}, the daemon runs as uid {uid}")
-    if st.st_mode & 0o022:
-        raise ValueError(f"disk_path {root}: mode {stat.S_IMODE(st.st_mode):o} lets other users write "
-                         "(chmod 700 it)")
+    why = distrust(os.lstat(root), "directory", ours())
+    if why:  # an lstat: a symlink is refused too
+        raise ValueError(f"disk_path {root}: {why} (chown it to the daemon's user, chmod 700 it)")
     parent = os.path.dirname(root)
     while True:
         pst = os.stat(parent)
         if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX:
             raise ValueError(f"disk_path {root}: parent {parent} is writable by every user (no sticky bit): "
                              "another user could replace the directory")
-        if pst.st_uid not in (0, uid):
-            raise ValueError(f"disk_path {root}: parent {parent} belongs to uid {pst.st_uid}, who could "
-                             "replace the directory")
+        why = distrust(pst, "directory", ours_or_root(), deny=0)  # a sticky /tmp is fine (above)
+        if why:
+            raise ValueError(f"disk_path {root}: parent {parent}: {why}, who could replace the directory")
         if parent == os.path.dirname(parent):
             break
         parent = os.path.dirname(parent)
     tmp = os.path.join(root, TMP_DIR)
     if not os.path.lexists(tmp):
         os.mkdir(tmp, 0o700)
-    tst = os.lstat(tmp)
-    if not stat.S_ISDIR(tst.st_mode) or tst.st_uid != uid:
-        raise ValueError(f"disk_path {root}: {tmp} is not the daemon's directory")
+    why = distrust(os.lstat(tmp), "directory", ours(), deny=0)
+    if why:
+        raise ValueError(f"disk_path {root}: {tmp} is not the daemon's directory ({why})")
     return root
 
 

@@ -33,6 +33,8 @@ import secrets
 import posix_ipc
 import psutil
 
+from ..ownership import distrust, ours
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -170,13 +172,13 @@ def cleanup_stale(prefix: str, shm_dir: str = SHM_DIR) -> list[str]:
         names = os.listdir(shm_dir)
     except OSError:
         return removed
-    uid = os.geteuid()
+    owners = ours()
     for name in names:
         if not name.startswith(prefix):
             continue
         pid = pid_of(name[len(prefix) - 1:])
         try:
-            owned = os.stat(os.path.join(shm_dir, name)).st_uid == uid
+            owned = not distrust(os.lstat(os.path.join(shm_dir, name)), "regular file", owners, deny=0)
         except OSError:
             continue
         if pid is not None and owned and not psutil.pid_exists(pid) and unlink_segment(name):

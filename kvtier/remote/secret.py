@@ -19,10 +19,10 @@ Primitives: ``load_secret(path) -> RemoteSecret`` (raises ``SecretError``).
 from __future__ import annotations
 
 import os
-import stat
 import tomllib
 from dataclasses import dataclass
 
+from ..ownership import GROUP_OTHERS_ANY, distrust, ours_or_root
 from .values import MIN_SECRET_BYTES
 
 MAX_FILE_BYTES = 64 * 1024
@@ -50,15 +50,10 @@ def load_secret(path: str) -> RemoteSecret:
         raise SecretError(f"remote_secret_file {path}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise SecretError(f"remote_secret_file {path}: not a regular file")
-        if st.st_uid not in (os.geteuid(), 0):
-            raise SecretError(f"remote_secret_file {path}: belongs to uid {st.st_uid}, not to the daemon's "
-                              f"user (uid {os.geteuid()}) {fix}")
-        if st.st_mode & 0o077:
-            raise SecretError(f"remote_secret_file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets group or "
-                              f"others read it; the remote tier stays off until only the daemon's user "
-                              f"can {fix}")
+        why = distrust(st, "regular file", ours_or_root(), deny=GROUP_OTHERS_ANY)
+        if why:
+            raise SecretError(f"remote_secret_file {path}: {why}; the remote tier stays off until only "
+                              f"the daemon's user can read it {fix}")
         if st.st_size > MAX_FILE_BYTES:
             raise SecretError(f"remote_secret_file {path}: larger than {MAX_FILE_BYTES} bytes")
         with os.fdopen(fd, "rb", closefd=False) as f:

@@ -249,7 +249,7 @@ def test_a_disk_path_other_users_can_write_is_refused(tmp_path, mode):
     os.chmod(path, mode)
     config = DaemonConfig(socket=str(tmp_path / "d.sock"), pool_size=4 * 2**20, slab_size=2**20,
                           disk_path=str(path), disk_size=2**24)
-    with pytest.raises(UnfitConfig, match="lets other users write"):
+    with pytest.raises(UnfitConfig, match="lets group or others write"):
         Daemon(config)
     open_parent = tmp_path / "open"
     open_parent.mkdir()

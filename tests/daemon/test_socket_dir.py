@@ -21,7 +21,7 @@ def test_a_directory_others_may_write_to_is_refused(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     os.chmod(run, 0o777)  # e.g. an attacker pre-created it, or a shared /tmp subdirectory
-    with pytest.raises(RuntimeError, match="writable by group or others"):
+    with pytest.raises(RuntimeError, match="lets group or others write"):
         DaemonProc(tmp_path, socket=str(run / "kvtier.sock"))
 
 

@@ -195,7 +195,7 @@ def test_a_pool_planted_by_another_user_is_refused_and_never_adopted(warm, tmp_p
     d = warm()
     w = d.stats()["warm_restart"]
     assert (w["start"], w["adopted_blocks"]) == ("cold", 0)
-    assert f"owned by uid {OTHER_UID}" in w["reason"]
+    assert f"belongs to uid {OTHER_UID}" in w["reason"]
     st = os.stat("/dev/shm" + pool)
     assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600  # replaced by the daemon's own
     kv = make_kv(seed=8)
@@ -209,7 +209,7 @@ def test_a_kept_pool_with_a_wider_mode_is_refused(warm):
     warm().stop()
     os.chmod("/dev/shm" + warm.names[0], 0o644)
     w = warm().stats()["warm_restart"]
-    assert w["start"] == "cold" and "mode 644" in w["reason"]
+    assert w["start"] == "cold" and "mode 0644" in w["reason"]
 
 
 # ---- SIGKILL at random points of a store/evict stream --------------------------------------
