@@ -112,7 +112,7 @@ def wait_written(daemon, at_least: int, timeout: float = 120.0) -> None:
 
 def load_point(args, cluster, a, b, block: int) -> dict:
     import numpy as np
-    from kvtier.daemon.tenancy import ns_key
+    from kvtier.pool.keys import ns_key
     from kvtier.remote import values as v
     n = max(1, args.batch_bytes // block)
     ea = Engine(a, block, n, 1, "load")
@@ -249,7 +249,7 @@ def idle(daemon, timeout: float = 300.0) -> dict:
 def backlog_rows(args, cluster, nodes: dict, block: int) -> list[dict]:
     """Per multiple of the allowance and node: share of a store's blocks in the cluster
     once the node is idle, and how long after the store's reply that was."""
-    from kvtier.daemon.tenancy import ns_key
+    from kvtier.pool.keys import ns_key
     from kvtier.remote import values as v
     per = args.queue // block
     codec, r = v.ValueCodec(SECRET), cluster.client()

@@ -24,7 +24,7 @@ from ..protocol.arrays import HASH_BYTES, pack_ids
 from .ops import MAX_BLOCKS_PER_OP, LoadOp, OffloadOp, RestoreOp, StoreOp, check_keys
 from .sessions import Sessions
 from .state import ClientState, DaemonError
-from .tenancy import split_key
+from ..pool.keys import split_key
 
 log = logging.getLogger("kvtier.daemon")
 MAX_CHAINS = 4096

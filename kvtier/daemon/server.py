@@ -60,7 +60,8 @@ from .lookup_index import LookupIndexes
 from .requests import RequestHandlers
 from .sessions import Sessions
 from .stats import daemon_stats
-from .tenancy import cluster_names, split_key
+from ..pool.keys import split_key
+from .tenancy import cluster_names
 from .warm import WarmPool, discard_kept
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]

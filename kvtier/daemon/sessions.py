@@ -40,7 +40,8 @@ from ..transfer.mapping import OutOfResources, open_specs
 from ..transfer.specs import NoCudaPath, SpecError
 from .config import DaemonConfig
 from .peers import Peer
-from .tenancy import identify, ns_key
+from ..pool.keys import ns_key
+from .tenancy import identify
 from .state import NO_CAP, ClientState, DaemonError, Registration, process_start
 
 log = logging.getLogger("kvtier.daemon")

@@ -13,7 +13,7 @@ from ..protocol.messages import PROTOCOL_VERSION
 from ..pool.index import STAT_KEYS
 from .sessions import operator_quota
 from .state import NO_CAP
-from .tenancy import split_key
+from ..pool.keys import split_key
 
 class StatsSource(Protocol):
     """What the document is read from: the daemon's parts (stats looks down at

@@ -13,15 +13,15 @@ Across nodes (the remote tier) a namespace is known by its tenant's name
 only when the operator named that tenant in ``tenants``: ``uid<N>`` means
 nothing on another node, so an unnamed user's blocks stay on this node.
 
-Primitives: ``SEP``, ``ns_key(tenant, fp)``, ``split_key(key)``,
-``identify(peer, config) -> (tenant, admin)``, ``cluster_names(config)``.
+Primitives: ``identify(peer, config) -> (tenant, admin)``, ``cluster_names(config)``;
+the key format itself (``SEP``, ``ns_key``, ``split_key``) is the pool's: kvtier/pool/keys.py.
 """
 
 from __future__ import annotations
 
 import os
 
-from ..pool.keys import SEP, ns_key, split_key  # noqa: F401 (the daemon's names for them)
+from ..pool.keys import split_key
 from .config import DaemonConfig, admin_gid, parse_tenants
 from .peers import Peer
 

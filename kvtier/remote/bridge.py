@@ -44,7 +44,7 @@ import logging
 
 from ..disk.schedule import WriteBacklog
 from ..pool.index import BlockIndex
-from ..pool.keys import owner_of
+from ..pool.keys import owner_of, split_key
 from ..protocol import messages as m
 from ..protocol.arrays import pack_ids
 from ..protocol.codec import encode
@@ -85,7 +85,7 @@ class RemoteBridge:
     def _name(self, ns) -> str | None:
         name = self.cluster_name(ns.fingerprint)
         if name is None:
-            tenant = ns.fingerprint.partition("\x1f")[0]  # daemon.tenancy.SEP
+            tenant = split_key(ns.fingerprint)[0]
             if tenant not in self.unnamed:
                 self.unnamed.add(tenant)
                 log.info("tenant %s is not named in config tenants: its blocks stay on this node", tenant)

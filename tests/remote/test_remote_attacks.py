@@ -21,7 +21,7 @@ import zlib
 import pytest
 
 from kvtier.client import block_hashes
-from kvtier.daemon.tenancy import ns_key
+from kvtier.pool.keys import ns_key
 from kvtier.remote import values as v
 from tests.helpers import NS, make_kv
 from tests.remote.conftest import running_cluster

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvtier.client import block_hashes
-from kvtier.daemon.tenancy import ns_key
+from kvtier.pool.keys import ns_key
 from kvtier.remote import values as v
 from tests.helpers import NS, make_kv
 from tests.remote.conftest import SECRET, running_cluster, write_secret
