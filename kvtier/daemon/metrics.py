@@ -33,7 +33,7 @@ FORBIDDEN = (b"HTTP/1.0 403 Forbidden\r\nContent-Type: text/plain\r\nConnection:
              b"kvtier metrics show every tenant: root, the daemon's user and admin_group only\n")
 
 POOL_GAUGES = (  # stats key under "pool", metric name, help
-    ("capacity_bytes", "pool_capacity_bytes", "Pool size in bytes."),
+    ("capacity_bytes", "pool_capacity_bytes", "Pool bytes in whole slabs (what blocks can use)."),
     ("used_bytes", "pool_used_bytes", "Bytes held by blocks (prefix cache and swap)."),
     ("free_bytes", "pool_free_bytes", "Bytes available for new blocks."),
     ("waste_bytes", "pool_waste_bytes", "Bytes lost to slab rounding."),
@@ -188,6 +188,7 @@ class SnapshotCollector:
                                 value=r["queued_bytes"])
         for key, name, doc in REMOTE_COUNTERS:
             yield CounterMetricFamily("kvtier_" + name, doc, value=r[key])
+        yield from _backlog("remote", r, "evicted, backlog_full, budget, rejected, error, too_large")
 
 
     @staticmethod
@@ -225,15 +226,19 @@ class SnapshotCollector:
         yield per
         for key, name, doc in DISK_COUNTERS:
             yield CounterMetricFamily("kvtier_" + name, doc, value=d[key])
-        yield GaugeMetricFamily("kvtier_disk_backlog_blocks", "Committed blocks waiting for the write-behind queue.",
-                                value=d["backlog_blocks"])
-        lost = CounterMetricFamily("kvtier_disk_not_written", "Committed blocks never written to the disk tier, "
-                                   "by tenant and why (evicted, backlog_full, over_share, too_long, failed).",
-                                   labels=["tenant", "why"])
-        for tenant, whys in d["not_written"].items():
-            for why, n in whys.items():
-                lost.add_metric([tenant, why], n)
-        yield lost
+        yield from _backlog("disk", d, "evicted, backlog_full, over_share, too_long, failed")
+
+
+def _backlog(tier: str, d: dict, reasons: str):
+    """A lower tier's write backlog: what waits, and what was never written and why."""
+    yield GaugeMetricFamily(f"kvtier_{tier}_backlog_blocks", "Committed blocks waiting for the write-behind queue.",
+                            value=d["backlog_blocks"])
+    lost = CounterMetricFamily(f"kvtier_{tier}_not_written", f"Committed blocks never written to the {tier} tier, "
+                               f"by tenant and why ({reasons}).", labels=["tenant", "why"])
+    for tenant, whys in d["not_written"].items():
+        for why, n in whys.items():
+            lost.add_metric([tenant, why], n)
+    yield lost
 
 
 class MetricsServer:

@@ -220,6 +220,8 @@ def test_status_and_metrics_show_the_remote_tier_up_or_down(daemon_factory, clus
     m = scrape_until(port, lambda m: m.get(("kvtier_remote_blocks_written_total", frozenset())) == 12)
     assert m[("kvtier_remote_blocks_written_total", frozenset())] == 12
     assert m[("kvtier_remote_up", frozenset())] == 1
+    assert m[("kvtier_remote_backlog_blocks", frozenset())] == 0  # all written: nothing waits, nothing lost
+    assert not any(name == "kvtier_remote_not_written_total" for name, _ in m)
     assert main(["status", "--socket", up.socket]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("remote"))
     assert "127.0.0.1" in line and " up " in line and "written 12 blocks" in line
