@@ -202,9 +202,6 @@ class SlabAllocator:
     def slab_of(self, offset: int) -> int:
         return offset // self.slab_bytes
 
-    def class_of(self, offset: int) -> int:
-        return self.slabs[offset // self.slab_bytes].cls
-
     def used_offsets(self, s: int) -> list[int]:
         slab = self.slabs[s]
         if slab.cls < 0:
