@@ -6,13 +6,16 @@ Feeds BENCHMARKS.md section 11.1 (did splitting ``Client`` into a
 (``--tree NAME=PATH``, e.g. a ``git worktree`` of the commit before a change
 and one of the commit after) gets a worker process that imports kvtier from
 that path only and runs its own private daemon from it; the workers then run
-batches in turn (A, B, A, B, ...) so both see the same load. One iteration:
+batches in turn (A, B, B, A, A, B, ...) so both see the same load. One iteration:
 store 8 new 16 KiB blocks and wait, load them into other engine blocks and
-wait, look the 8 keys up (over the socket). Reported per operation: the
+wait, look the 8 keys up (over the socket; with ``--lookup-index`` in the
+daemon's shared-memory mirror, no round trip: what is left is the client's
+own Python, the part the split touched most). Reported per operation: the
 median and p90 of every call, and the median over rounds of each round's
 ratio of medians to the first tree's.
 
     python scripts/bench_roundtrip.py --tree before=/tmp/a --tree after=/tmp/b [--rounds 8] [--calls 200]
+        [--lookup-index]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ OPS = ("store", "load", "lookup")
 BLOCKS = 8  # per call
 
 
-def worker(tree: str) -> None:
+def worker(tree: str, mirror: bool) -> None:
     """One checkout's side: a daemon and a client, batches on request (stdin: a call count per line)."""
     sys.path.insert(0, tree)
     import torch
@@ -41,7 +44,9 @@ def worker(tree: str) -> None:
     ns = Namespace("bench-roundtrip", "float16", "flashinfer", 16)
     kv = ShmKVCache([(64, 2, 16, 2, 32)] * 4, torch.float16)  # 16 KiB blocks
     n = 0
-    with PrivateDaemon(pool_size="64MiB", slab_size="4MiB") as d, Client(d.socket, name="bench") as c:
+    env = {"KVTIER_LOOKUP_INDEX": "true"} if mirror else {}
+    with PrivateDaemon(pool_size="64MiB", slab_size="4MiB", env=env, timeout=300) as d, \
+            Client(d.socket, name="bench") as c:
         c.register_kv_cache(kv, [0] * 4, ns)
         print("ready", flush=True)
         for line in sys.stdin:
@@ -67,6 +72,7 @@ def main() -> None:
     p.add_argument("--tree", action="append", required=True, metavar="NAME=PATH")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=200, help="iterations per batch")
+    p.add_argument("--lookup-index", action="store_true", help="the daemon mirrors ready keys in shared memory")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
@@ -74,6 +80,7 @@ def main() -> None:
     for name, path in trees.items():
         env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
         procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--tree", args.tree[0],
+                                        *(["--lookup-index"] if args.lookup_index else []),
                                         "--worker", os.path.abspath(path)], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True, env=env, cwd=os.path.abspath(path))
     for name, proc in procs.items():
@@ -83,9 +90,9 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     names = list(trees)
     base = names[0]
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         medians = {}
-        for name in names:  # interleaved: every round runs each tree once, in turn
+        for name in names[::-1] if r % 2 else names:  # interleaved, each tree first every other round
             procs[name].stdin.write(f"{args.calls}\n")
             procs[name].stdin.flush()
             got = json.loads(procs[name].stdout.readline())
@@ -100,7 +107,8 @@ def main() -> None:
         proc.stdin.close()
         proc.wait(60)
     print(f"load average (1 min) during the run: {min(load):.2f}-{max(load):.2f}; "
-          f"{args.rounds} rounds x {args.calls} calls per tree and operation")
+          f"{args.rounds} rounds x {args.calls} calls per tree and operation; "
+          f"lookups {'in the shared-memory mirror' if args.lookup_index else 'over the socket'}")
     print("| tree | op | median us | p90 us | median of per-round ratio to " + base + " |")
     print("|---|---|---:|---:|---:|")
     for name in names:
@@ -112,6 +120,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[sys.argv.index("--worker") + 1])
+        worker(sys.argv[sys.argv.index("--worker") + 1], "--lookup-index" in sys.argv)
     else:
         main()
