@@ -49,15 +49,19 @@ class Flushes:
         drains = self.index.drains
         if not drains.pending:
             return
-        t0, freed, finished = time.perf_counter(), 0, []
+        t0, cpu0, freed, finished = time.perf_counter(), time.thread_time(), 0, []
         while drains.pending and freed < SLICE_MAX:
             finished += drains.step(min(BATCH, SLICE_MAX - freed))
             freed += BATCH
             if time.perf_counter() - t0 >= SLICE_S:
                 break
-        took_us = int((time.perf_counter() - t0) * 1e6)  # what this turn held the loop, preemption included
-        self.counters["flush_turns"] += 1
-        self.counters["flush_longest_turn_us"] = max(self.counters["flush_longest_turn_us"], took_us)
+        # What this turn held the loop: wall time (with the waits of a loaded machine) and the
+        # loop thread's own CPU time (what the slice costs wherever it runs).
+        took_us, cpu_us = int((time.perf_counter() - t0) * 1e6), int((time.thread_time() - cpu0) * 1e6)
+        c = self.counters
+        c["flush_turns"] += 1
+        c["flush_longest_turn_us"] = max(c["flush_longest_turn_us"], took_us)
+        c["flush_longest_turn_cpu_us"] = max(c["flush_longest_turn_cpu_us"], cpu_us)
         for job in finished:
             identity, req_id, on_disk, note = self._waiting.pop(job)
             removed = job.removed + on_disk

@@ -105,7 +105,8 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
                    "dropped_messages": d.counters["event_messages_dropped"]},
         "flushes": {"started": d.counters["flushes"], "pending": d.index.drains.pending,
                     "turns": d.counters["flush_turns"],  # loop turns that freed flushed blocks
-                    "longest_turn_ms": d.counters["flush_longest_turn_us"] / 1e3},
+                    "longest_turn_ms": d.counters["flush_longest_turn_us"] / 1e3,
+                    "longest_turn_cpu_ms": d.counters["flush_longest_turn_cpu_us"] / 1e3},
     }
 
 
