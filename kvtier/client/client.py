@@ -220,7 +220,7 @@ class Client:
             return []
         msg = m.LookupMany(self._reg_id(), [pack_hashes(c) for c in chains])
         zeros = [0] * len(chains)
-        return self._degrade(lambda: unpack_ids(self.channel.call(msg).hits).tolist(), zeros)
+        return self.connection.degrade(lambda: unpack_ids(self.connection.call(msg).hits).tolist(), zeros)
 
     def store(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, event=None,
               stream=None) -> TransferHandle:

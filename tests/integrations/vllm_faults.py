@@ -20,7 +20,7 @@ import hashlib
 import os
 
 from kvtier.integrations.vllm import KVTierOffloadingSpec
-from kvtier.integrations.vllm.manager import KVTierSpecs
+from kvtier.integrations.vllm.pool_spec import KVTierSpecs
 
 
 class FirstLoadLosesAWindowGroup(KVTierOffloadingSpec):

@@ -37,8 +37,8 @@ from collections.abc import Collection, Iterable, Sequence
 import torch
 
 from vllm.v1.kv_offload.base import (
-    LoadStoreSpec,
     get_offload_group_idx,
+    LoadStoreSpec,
     LookupResult,
     OffloadingEvent,
     OffloadingManager,
@@ -53,23 +53,9 @@ from ...client import Client, KVTierError, ShmKVCache
 from .events import TierEvents, own_tenant
 from .groups import TierGroup
 from .naming import kvtier_key
+from .pool_spec import KVTierSpecs
 
 log = logging.getLogger("kvtier.vllm")
-
-
-class KVTierSpecs(LoadStoreSpec):
-    """The pool side of a load or store: kvtier keys, one per chunk, in order,
-    one list per KV cache group (in the engine's group order)."""
-
-    def __init__(self, hashes: list[bytes] | None = None, *, groups: list[list[bytes]] | None = None):
-        self.groups = groups if groups is not None else [list(hashes or [])]
-
-    @property
-    def hashes(self) -> list[bytes]:
-        return [h for g in self.groups for h in g]
-
-    def __repr__(self) -> str:
-        return f"KVTierSpecs({[len(g) for g in self.groups]} chunks)"
 
 
 # Chunks of a windowed group asked about in one round trip (the daemon's

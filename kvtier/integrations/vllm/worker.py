@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.base import (
 from ...client import Client, Namespace
 from ..engine_kv import EngineKV, Finished, export_groups
 from .groups import GroupTransfer, split_job
-from .manager import KVTierSpecs
+from .pool_spec import KVTierSpecs
 from .slices import PER_RANK, KVSlices
 
 log = logging.getLogger("kvtier.vllm")
