@@ -157,3 +157,23 @@ def test_a_swap_quota_that_is_no_byte_count_is_refused_on_both_sides(daemon):
         c.register_kv_cache(kv, [0] * 4, NS, swap_quota=None)
         assert c.offload("r", [0, 1]).wait().ok
     kv.close()
+
+
+def test_the_operators_swap_quota_of_zero_means_no_swap_for_every_cache(daemon_factory):
+    """One meaning of 0 everywhere: the operator's ``swap_quota = 0`` (which
+    once meant no cap) is no swap, the default and the ceiling of every
+    cache, whatever a cache asks for; prefix caching goes on."""
+    d = daemon_factory(env={"KVTIER_SWAP_QUOTA": "0"})
+    kv = make_kv(seed=13)
+    with d.client(name="engine") as a:
+        b = a.share()
+        a.register_kv_cache(kv, [0] * 4, NS)
+        b.register_kv_cache(kv, [0] * 4, NS, swap_quota=1 << 20)
+        (row,) = [r for r in d.stats()["clients"] if r["name"] == "engine"]
+        assert [q["swap_quota"] for q in row["caches"]] == [0, 0] and row["swap_quota"] == 0
+        for c in (a, b):
+            r = c.offload("r", [0]).wait()
+            assert r.failed_requests == ("r",) and r.no_space
+        assert a.store(prefix_chain(2), [0, 1]).wait().ok and b.lookup(prefix_chain(2)) == 2
+        assert d.stats()["swap"]["bytes"] == 0
+    kv.close()
