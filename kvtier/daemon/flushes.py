@@ -24,7 +24,7 @@ from ..protocol import messages as m
 log = logging.getLogger("kvtier.daemon")
 SLICE_S = 0.003    # loop time one turn spends freeing flushed blocks (a 10^6-block flush: ~1 s of turns)
 SLICE_MAX = 4096   # entries one turn frees at most, however fast the machine
-BATCH = 256        # entries between two looks at the clock
+BATCH = 64         # entries between two looks at the clock (a batch costs ~0.3 ms of CPU)
 
 
 class Flushes:
