@@ -82,7 +82,8 @@ class Client:
     socket_path = property(lambda self: self.connection.socket_path)
     name = property(lambda self: self.connection.name)
     timeout = property(lambda self: self.connection.timeout)
-    transfer_timeout = property(lambda self: self.connection.transfer_timeout)
+    transfer_timeout = property(lambda self: self.connection.transfer_timeout,
+                                lambda self, v: setattr(self.connection, "transfer_timeout", v))
     connected = property(lambda self: self.connection.connected)
     client_id = property(lambda self: self.connection.client_id)
     reconnects = property(lambda self: self.connection.reconnects)

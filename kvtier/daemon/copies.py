@@ -109,8 +109,8 @@ class CopyRunner:
         check = self.journal.to_verify(op) if self.journal is not None and not op.to_pool else []
         if check:
             self._checking[op] = check
-        if op.reg.copier is not None:  # CUDA: fenced copy on the registration's stream
-            engine, pool, buf, size = op.reg.copier, self.pool, self.pool_buffer, op.reg.ns.block_bytes
+        if op.reg.cuda_engine is not None:  # CUDA: fenced copy on the registration's stream
+            engine, pool, buf, size = op.reg.cuda_engine, self.pool, self.pool_buffer, op.reg.ns.block_bytes
 
             def gpu_copy():
                 if check:  # before the bytes reach the engine, like the CPU path

@@ -221,7 +221,7 @@ def check_fence(reg: Registration, event: bytes) -> bytes:
     """A worker event to fence on: only meaningful for CUDA registrations."""
     if not event:
         return b""
-    if reg.copier is None:
+    if reg.cuda_engine is None:
         raise DaemonError(ErrorCode.BAD_ARGUMENT, "event given for a cache that is not on a GPU")
     if len(event) > 4096:
         raise DaemonError(ErrorCode.BAD_ARGUMENT, "event handle too long")

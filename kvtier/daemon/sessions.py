@@ -148,7 +148,7 @@ class Sessions:
                 raise ValueError(f"one block costs {pieces} separate copies "
                                  f"(max_copy_pieces {config.max_copy_pieces}); register fewer or larger tensors")
             ns = self.index.namespace(key, layout.block_bytes)
-            copier = self.gpu.engine(layout, device) if device is not None else None
+            cuda_engine = self.gpu.engine(layout, device) if device is not None else None
         except (ValueError, RuntimeError) as exc:  # RuntimeError: CUDA refused the stream/event
             error = (ErrorCode.BAD_ARGUMENT if isinstance(exc, ValueError) else ErrorCode.INTERNAL, str(exc))
         if error is not None:  # outside the except: its traceback holds tensor views
@@ -158,7 +158,7 @@ class Sessions:
                 seg.close()
             raise DaemonError(*error)
         self._next_reg += 1
-        reg = Registration(self._next_reg, client, ns, layout, segments, copier,
+        reg = Registration(self._next_reg, client, ns, layout, segments, cuda_engine,
                            max_copy_pieces=config.max_copy_pieces, swap_quota=swap_quota)
         client.regs[reg.id] = reg
         self.mappings[client.uid] += len(segments)
@@ -197,7 +197,7 @@ class Sessions:
             if self.mappings[uid] <= 0:
                 del self.mappings[uid]
         reg.client.regs.pop(reg.id, None)
-        reg.copier = None
+        reg.cuda_engine = None
         reg.layout = None  # drop every tensor view before unmapping (CUDA: closes the IPC mapping)
         for seg in reg.segments:
             try:

@@ -77,7 +77,7 @@ class Registration:
     ns: Bucket
     layout: KVLayout | None
     segments: list
-    copier: Any = None                 # CudaCopyEngine for CUDA registrations
+    cuda_engine: Any = None            # CudaCopyEngine for CUDA registrations, None on the CPU
     inflight: int = 0
     closing: bool = False
     max_copy_pieces: int = 1 << 20     # the operator's cap when it registered
