@@ -22,7 +22,7 @@ from ..pool.index import BlockIndex
 from ..protocol import messages as m
 
 log = logging.getLogger("kvtier.daemon")
-SLICE_S = 0.003    # loop time one turn spends freeing flushed blocks (a 10^6-block flush: ~1 s of turns)
+SLICE_S = 0.003    # loop time one turn spends freeing flushed blocks (10^6 blocks: ~1,800 turns, BENCHMARKS 18)
 SLICE_MAX = 4096   # entries one turn frees at most, however fast the machine
 BATCH = 64         # entries between two looks at the clock (a batch costs ~0.3 ms of CPU)
 
