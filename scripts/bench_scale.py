@@ -137,17 +137,19 @@ def flush_under_probe(sock: str, ns: Namespace) -> dict:
     stop_evt, out = ctx.Event(), ctx.Queue()
     p = ctx.Process(target=prober, args=(sock, stop_evt, out))
     p.start()
-    assert out.get(timeout=120) == "ready"
-    with Client(sock, name="flusher", timeout=600) as c:
-        time.sleep(1.0)
-        t_idle = time.perf_counter()
-        time.sleep(1.0)
-        t0 = time.perf_counter()
-        removed = c.flush(ns)
-        t1 = time.perf_counter()
-        fl = c.stats().get("flushes", {})
-        turns, longest, cpu = fl.get("turns"), fl.get("longest_turn_ms"), fl.get("longest_turn_cpu_ms")
-    stop_evt.set()
+    try:  # the prober is stopped whatever happens (left running, it pings a daemon forever)
+        assert out.get(timeout=120) == "ready"
+        with Client(sock, name="flusher", timeout=600) as c:
+            time.sleep(1.0)
+            t_idle = time.perf_counter()
+            time.sleep(1.0)
+            t0 = time.perf_counter()
+            removed = c.flush(ns)
+            t1 = time.perf_counter()
+            fl = c.stats().get("flushes", {})
+            turns, longest, cpu = fl.get("turns"), fl.get("longest_turn_ms"), fl.get("longest_turn_cpu_ms")
+    finally:
+        stop_evt.set()
     samples = out.get(timeout=120)
     p.join(60)
     idle = [rtt for t, rtt in samples if t_idle <= t and t + rtt < t0]
@@ -232,9 +234,11 @@ def flush_hold(args, d: str, trees: dict) -> list[dict]:
         for name, tree in trees.items():
             sock = os.path.join(d, f"hold-{name}.sock")
             p, _ = spawn(tree, sock, pool, False)
-            got, _ = fill(sock, kv, X, 1, n)
-            row = {"tree": name, "rep": rep, "blocks": got, **flush_under_probe(sock, X)}
-            stop(p)
+            try:
+                got, _ = fill(sock, kv, X, 1, n)
+                row = {"tree": name, "rep": rep, "blocks": got, **flush_under_probe(sock, X)}
+            finally:
+                stop(p)
             print(row, flush=True)
             rows.append(row)
     kv.close()
