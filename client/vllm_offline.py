@@ -30,8 +30,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = "kvtier.integrations.vllm:KVTierOffloadingSpec"
 
 
-def kv_transfer_config(socket: str | None, block_size: int = 32, kvtier_events: str = "", spec: str = SPEC) -> dict:
-    """The one setting that puts a vLLM engine on kvtier (``spec``: MODULE:CLASS, a test's subclass)."""
+def kv_transfer_config(socket: str | None, block_size: int = 32, kvtier_events: str = "", spec: str = SPEC,
+                       kv_role: str = "kv_both") -> dict:
+    """The one setting that puts a vLLM engine on kvtier (``spec``: MODULE:CLASS, a test's subclass;
+    ``kv_role``: kv_both, or kv_producer (stores, never loads) / kv_consumer (loads, never stores))."""
     module, _, name = spec.partition(":")
     extra = {"spec_name": name, "spec_module_path": module, "block_size": block_size}
     if socket:
@@ -39,7 +41,7 @@ def kv_transfer_config(socket: str | None, block_size: int = 32, kvtier_events: 
     if kvtier_events:
         extra["kvtier_events"] = kvtier_events
     return {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+            "kv_role": kv_role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
 def make_tiny_llama(path: str, layers: int = 2, hidden: int = 128, seed: int = 0) -> str:
@@ -71,7 +73,8 @@ def run_engine(args) -> dict:
     if not args.no_kvtier:
         from vllm.config import KVTransferConfig
         kw["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(args.socket, args.block_size,
-                                                                         args.kvtier_events, args.kvtier_spec))
+                                                                         args.kvtier_events, args.kvtier_spec,
+                                                                         args.kv_role))
     if args.kv_events:  # vLLM's KV event stream (what routers read), published on ZeroMQ
         from vllm.config import KVEventsConfig
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
@@ -119,7 +122,8 @@ def _pause(sync_dir: str) -> None:
 def engine_command(model: str, prompts_file: str, *, socket: str | None, kvtier: bool = True,
                    dtype: str = "bfloat16", max_tokens: int = 8, block_size: int = 32,
                    max_model_len: int = 4096, pause_after: int = -1, sync_dir: str = "",
-                   kv_events: str = "", kvtier_events: str = "", kvtier_spec: str = SPEC) -> list[str]:
+                   kv_events: str = "", kvtier_events: str = "", kvtier_spec: str = SPEC,
+                   kv_role: str = "kv_both") -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "engine", "--model", model, "--prompts", prompts_file,
            "--dtype", dtype, "--max-tokens", str(max_tokens), "--block-size", str(block_size),
            "--max-model-len", str(max_model_len), "--pause-after", str(pause_after)]
@@ -135,6 +139,8 @@ def engine_command(model: str, prompts_file: str, *, socket: str | None, kvtier:
         cmd += ["--kvtier-events", kvtier_events]
     if kvtier_spec != SPEC:
         cmd += ["--kvtier-spec", kvtier_spec]
+    if kv_role != "kv_both":
+        cmd += ["--kv-role", kv_role]
     return cmd
 
 
@@ -177,6 +183,7 @@ def main(argv=None) -> int:
     e.add_argument("--mem-util", type=float, default=0.3, help="vLLM CPU: fraction of RAM it may reserve")
     e.add_argument("--kvtier-spec", default=SPEC, help="the offloading spec, MODULE:CLASS")
     e.add_argument("--in-process", action="store_true", help="no engine-core or worker process (CPU)")
+    e.add_argument("--kv-role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"))
     ap.add_argument("--model", default=None, help="checkpoint dir or id (default: a tiny random Llama)")
     ap.add_argument("--socket", default=None, help="kvtier socket (default: KVTIER_SOCKET or the standard path)")
     ap.add_argument("--start-daemon", action="store_true", help="run a private kvtier-daemon for the example")

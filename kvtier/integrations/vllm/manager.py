@@ -58,6 +58,8 @@ from .pool_spec import KVTierSpecs
 log = logging.getLogger("kvtier.vllm")
 
 
+ROLES = (None, "kv_both", "kv_producer", "kv_consumer")  # None: no kv_transfer_config role (both)
+
 # Chunks of a windowed group asked about in one round trip (the daemon's
 # LookupMany limit); vLLM needs the last ones, so those are the ones asked.
 MAX_CHUNKS_PER_LOOKUP = 4096
@@ -112,7 +114,12 @@ class _GroupLookup:
 
 class KVTierManager(OffloadingManager):
     def __init__(self, groups: list[TierGroup], blocks_per_chunk: int, socket: str | None, name: str,
-                 events: TierEvents | None = None):
+                 events: TierEvents | None = None, kv_role: str | None = None):
+        if kv_role not in ROLES:
+            raise ValueError(f"kv_role must be one of {sorted(r for r in ROLES if r)}, not {kv_role!r}")
+        # vLLM's kv_role, honoured here where vLLM's offloading scheduler does not look at it:
+        # a producer fills the pool and never loads, a consumer loads and never stores.
+        self.loads, self.stores = kv_role != "kv_producer", kv_role != "kv_consumer"
         self.events = events or TierEvents(enabled=False)
         # One connection for every group: each group's lookups use a registration
         # of their own in the group's namespace (``Client.share``).
@@ -143,7 +150,7 @@ class KVTierManager(OffloadingManager):
     def prefetch(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
         """Answer this step's lookups of ``keys`` (a request's chunks of one
         group, in order) with one round trip."""
-        if not self.enabled or req_id in self._excluded or not keys:
+        if not self.loads or not self.enabled or req_id in self._excluded or not keys:
             return
         if all(k in self._answers for k in keys):
             return
@@ -157,7 +164,7 @@ class KVTierManager(OffloadingManager):
         self.events.missing(misses if group is not None and group.group.windowed else misses[:1])
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not self.enabled or req_context.req_id in self._excluded:
+        if not self.loads or not self.enabled or req_context.req_id in self._excluded:
             return LookupResult.MISS
         hit = self._answers.get(key)
         if hit is None:
@@ -196,7 +203,7 @@ class KVTierManager(OffloadingManager):
         return self._specs(keys)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        keys = list(keys)
+        keys = list(keys) if self.stores else []  # nothing to store is not a failed allocation
         return PrepareStoreOutput(keys_to_store=keys, store_spec=self._specs(keys), evicted_keys=[])
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:

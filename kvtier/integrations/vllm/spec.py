@@ -82,6 +82,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             hash_algo=vc.cache_config.prefix_caching_hash_algo, hash_seed=os.environ.get("PYTHONHASHSEED"),
             kv_slices=self.slices.tag() if self.slices.shared else "")
         self.socket = self.extra_config.get("kvtier_socket") or None
+        self.kv_role = getattr(vc.kv_transfer_config, "kv_role", None)
         self._manager: OffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -92,7 +93,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             groups = self.tier_groups(rank=0)
             self._manager = KVTierManager(groups, self.blocks_per_chunk, self.socket,
                                           name=f"vllm-scheduler-{self.config.engine_id}"[:64],
-                                          events=self._events(groups))
+                                          events=self._events(groups), kv_role=self.kv_role)
         return self._manager
 
     def tier_groups(self, rank: int) -> list[TierGroup]:
