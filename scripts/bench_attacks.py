@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds RELIABILITY.md, "Attacks tried" (no BENCHMARKS.md section).
 """Issue 21's floods against a real daemon, with the figures RELIABILITY.md
 lists ("Attacks tried"): the daemon's descriptors, mappings and memory
 before and during each attack, whether it is alive afterwards, and whether

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 6.
 """Lookup latency from one thread while another thread of the same Client waits.
 
     python scripts/bench_client_threads.py [--lookups 200] [--stall 0.5]
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -20,6 +20,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvtier.client import Client, ShmKVCache  # noqa: E402
+
+import benchlib as bl  # noqa: E402
 
 
 def main() -> None:
@@ -30,8 +32,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sock = os.path.join(tmp, "k.sock")
         env = {**os.environ, "KVTIER_COPY_DELAY_S": str(args.stall), "KVTIER_INLINE_COPY_BYTES": "0"}
-        daemon = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size",
-                                   "64MiB", "--slab-size", "4MiB", "--log-level", "WARNING"], env=env)
+        daemon = bl.start_daemon(sock, "64MiB", env=env, extra=("--slab-size", "4MiB", "--log-level", "WARNING"))
         try:
             kv = ShmKVCache([(32, 4096)])
             with Client(sock, timeout=30) as c:

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md sections 2 and 6.
 """Control-path cost of a real kvtier daemon, next to bare ZeroMQ.
 
 Three measurements, each in this one run:

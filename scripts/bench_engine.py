@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md section 0.
 """Engine-shaped speed of kvtier, each row a ratio against a baseline timed in the same run.
 
 Rows (the table of issue 16), every kvtier measurement interleaved with its baseline

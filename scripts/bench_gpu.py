@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md section 10 and docs/GPU.md (GPU runs only).
 """Store/load throughput of the GPU data path next to plain pinned cudaMemcpyAsync.
 
 For each copy method (dma, kernel, auto) a fresh daemon is started (``--gpu on``,

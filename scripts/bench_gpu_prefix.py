@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md section 10 and docs/GPU.md (GPU runs only).
 """A cross-process prefix hit on the GPU: time to first token loading a prefix vs prefilling it.
 
     python scripts/bench_gpu_prefix.py [--prefix 1024] [--questions 3] [--hidden 4096 --layers 8]

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md sections 9 and 11.
 """HF continuous batching on kvtier, the fair way: what kvtier costs, what a swap and a hit gain.
 
     python scripts/bench_hf.py            # the BENCHMARKS.md section 9 tables (~5 min)

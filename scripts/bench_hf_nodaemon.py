@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 11.
 """What kvtier's HF integration does, and costs, when no daemon is at its socket (and when lookups miss).
 
     python scripts/bench_hf_nodaemon.py [--runs 7] [--json PATH]      (~3 min)

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 11.
 """How long HF's generation thread spends finishing requests with kvtier.
 
 A finished request's full blocks are stored in kvtier. This times HF's

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md section 3.
 """kvtier store/load vs Redis pipelined SET/GET of the same blocks, same run.
 
 Redis: Debian's ``redis-server`` on a Unix socket (no persistence), the

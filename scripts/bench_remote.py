@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md sections 7 and 7.1.
 """The remote tier across two nodes, against baselines measured in the same run.
 
 Two private daemons ("nodes" A and B) with ``remote`` pointing at a real Redis

@@ -1,3 +1,4 @@
+# Feeds BENCHMARKS.md section 16.
 """What ``tenant_share`` costs the index: stores that evict, and lookups, share off vs on.
 
 In process (BlockIndex alone, no daemon, no copies): a full pool of 16 KiB

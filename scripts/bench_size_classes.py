@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 15.
 """Stores into one full pool shared by engines of two block sizes, against one size.
 
     python scripts/bench_size_classes.py [--stores 400] [--no-daemon] [--concurrent] [--profile]

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md section 11.
 """Is the daemon responsive while a real TP=2 vLLM CPU engine fills the cores? (issue 26 item 6)
 
     python scripts/bench_status_under_load.py [--rounds 3] [--phase-s 20] [--json PATH]   (~6 min)

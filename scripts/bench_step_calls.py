@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md sections 11 and 15.
 """What kvtier's calls cost one engine step, in every state the daemon can be in.
 
 One "step" is what a vLLM engine does per scheduling step for one new

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 5.
 """Offload/restore GB/s through a real daemon vs a plain in-process copy_.
 
     python scripts/bench_swap.py [--block 2MiB] [--blocks 256] [--requests 8] [--reps 5]
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,16 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvtier.client import Client, ShmKVCache  # noqa: E402
 from kvtier.pool.sizes import format_size, parse_size  # noqa: E402
 
-
-def start_daemon(socket: str, pool: int, slab: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket,
-                             "--pool-size", str(pool), "--slab-size", str(slab), "--log-level", "WARNING"],
-                            env={**os.environ, "KVTIER_SWAP_MAX": "1.0"})
-    while not os.path.exists(socket):
-        if proc.poll() is not None:
-            sys.exit("daemon failed to start")
-        time.sleep(0.05)
-    return proc
+import benchlib as bl  # noqa: E402
 
 
 def baseline(nbytes: int, reps: int) -> float:
@@ -60,7 +51,8 @@ def main() -> None:
     slab = max(block, 16 << 20)
     pool = -(-(nbytes + slab) // slab) * slab
     with tempfile.TemporaryDirectory() as tmp:
-        proc = start_daemon(os.path.join(tmp, "k.sock"), pool, slab)
+        proc = bl.start_daemon(os.path.join(tmp, "k.sock"), str(pool), env={**os.environ, "KVTIER_SWAP_MAX": "1.0"},
+                               extra=("--slab-size", str(slab), "--log-level", "WARNING"))
         try:
             kv = ShmKVCache([(args.blocks * 2, block)], torch.uint8)
             kv.tensors[0].random_(0, 255)

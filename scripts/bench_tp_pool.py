@@ -1,3 +1,4 @@
+# Feeds BENCHMARKS.md section 14.
 """Pool bytes and hits across TP sizes: kvtier's shared TP layout against the per-rank one.
 
     python scripts/bench_tp_pool.py            (~5 min on 2 cores: 8 engine starts)

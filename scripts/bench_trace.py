@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md section 17.
 """A public serving trace through real daemons and real engine processes.
 
     python scripts/bench_trace.py [--trace FILE] [--requests N] [--capacities 0.02,0.05,0.1,0.2,0.4]

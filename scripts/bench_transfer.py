@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md sections 1 and 6.
 """Store and load bandwidth through a real kvtier daemon.
 
 For each KV layout, block size and batch size this measures, in one run:

@@ -1,3 +1,4 @@
+# Feeds BENCHMARKS.md sections 8 and 11.
 """The fair engine benchmark for vLLM (CPU build): what kvtier costs an engine, and what a hit gains.
 
     python scripts/bench_vllm.py --neighbours quiet,busy,engine     # the BENCHMARKS.md section 8 table (~10 min)

@@ -1,3 +1,4 @@
+# Feeds BENCHMARKS.md section 8.
 """Why a vLLM CPU engine with kvtier's connector prefilled faster than vLLM alone: the OpenMP binding.
 
     python scripts/bench_vllm_bind.py [--prompts 8] [--binds 0 0,1]       (~4 min)

@@ -1,3 +1,4 @@
+# Feeds BENCHMARKS.md section 8.
 """Issue 26's open row: vLLM's batched throughput with a KV connector, A/B'd one thing at a time.
 
     python scripts/bench_vllm_tput.py --rounds 8

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 12.
 """Warm restart: restart-to-first-hit warm vs cold, and what the journal costs a store.
 
     python scripts/bench_warm_restart.py [--pools 1GiB,4GiB] [--reps 3] [--stores 200]

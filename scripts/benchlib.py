@@ -153,17 +153,24 @@ def no_system_config() -> list[str]:
 _EMPTY_CONFIG: str | None = None
 
 
-def start_daemon(socket: str, pool_size: str, env: dict | None = None, timeout: float = 120):
-    """``python -m kvtier.daemon`` on ``socket``; returns the Popen once the socket exists."""
+def start_daemon(socket: str, pool_size: str, env: dict | None = None, timeout: float = 120,
+                 extra: tuple = ()):
+    """``python -m kvtier.daemon`` on ``socket`` (``extra``: more daemon flags); returns the
+    Popen once the socket exists."""
     import subprocess
+    import tempfile
+    # Its log goes to a file, not a pipe nobody reads: a pipe that fills (~64 KiB of INFO
+    # lines in a long benchmark) would stop the daemon mid-run.
+    log = tempfile.TemporaryFile(mode="w+", prefix="kvtier-bench-daemon-")
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket, "--pool-size", pool_size,
-                             *no_system_config()], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+                             *no_system_config(), *extra], env=env, stdout=subprocess.DEVNULL, stderr=log)
     deadline = time.monotonic() + timeout
     while not os.path.exists(socket):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"kvtier-daemon did not start: {proc.communicate()[1][-2000:]}")
+            proc.wait()
+            log.seek(0)
+            raise SystemExit(f"kvtier-daemon did not start: {log.read()[-2000:]}")
         time.sleep(0.05)
     return proc
 

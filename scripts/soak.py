@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds RELIABILITY.md, the soak rows (no BENCHMARKS.md section).
 """Bounded-time soak of one kvtier daemon under clients that get SIGKILLed.
 
     python scripts/soak.py [--seconds 60] [--clients 4] [--seed 1] [--json]

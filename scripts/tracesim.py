@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# Feeds BENCHMARKS.md section 17 and docs/EVICTION.md.
 """Prefix-trace replay in process: hit ratios of eviction policies, and bounds.
 
     python scripts/tracesim.py [--trace FILE] [--capacities 0.01,0.02,0.05,0.1,0.2,0.4]
