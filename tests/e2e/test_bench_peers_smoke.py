@@ -1,0 +1,79 @@
+"""Smoke test of ``scripts/bench_peers.py``: one round, tiny prompts, real engines.
+
+vLLM alone and kvtier (a real daemon, two engine processes) always run;
+vLLM's own CPU offloading is asked too and must be left out with the reason
+vLLM gave; LMCache's multi-process mode runs only where its venv exists
+(``bash scripts/peers_venv.sh``), and is skipped with that reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPT = os.path.join(REPO, "scripts", "bench_peers.py")
+LMCACHE_PY = os.path.join(REPO, ".venv-lmcache", "bin", "python")
+HAS_LMCACHE = os.path.exists(os.path.join(REPO, ".venv-lmcache", "bin", "lmcache"))
+
+
+def bench(*args: str, python: str = sys.executable, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([python, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO})
+
+
+def check_rows(data: dict, shared: list[str]) -> None:
+    times, prompt = data["times"], data["args"]["prefix_tokens"] + data["args"]["suffix_tokens"]
+    for row in ("miss", "hit", "tok_s"):
+        assert set(times[row]) == set(data["systems"]), row
+        assert all(x > 0 for xs in times[row].values() for x in xs)
+    # A second engine process found the whole prompt in the store (all but the block
+    # vLLM always computes itself), for every system that shares one.
+    for s in shared:
+        assert min(times["hit_tokens"][s]) >= prompt - 32, (s, times["hit_tokens"][s])
+        assert data["service_cpu_s"][s] > 0
+        assert data["footprint"][s]["service"]["rss_mib"] > 0
+    assert data["footprint"]["kvtier"]["installed"]["packages"] >= 1
+
+
+@pytest.mark.skipif(HAS_LMCACHE, reason="covered by the run with LMCache below")
+def test_kvtier_and_vllm_alone_side_by_side_and_vllm_offloading_says_why_not(tmp_path):
+    """kvtier's hits load the whole prompt in a second process; vLLM's own CPU offloading
+    is left out with the exception vLLM raises on its CPU build, not silently dropped."""
+    out = tmp_path / "peers.json"
+    p = bench("--quick", "--systems", "alone,kvtier,vllm-offload", "--out", str(out))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["systems"] == ["alone", "kvtier"]
+    check_rows(data, ["kvtier"])
+    assert "CUDA" in data["skipped"]["vllm-offload"]
+    assert "(a) TTFT of a new prompt" in p.stdout and "left out" in p.stdout
+
+
+@pytest.mark.skipif(not HAS_LMCACHE, reason="no .venv-lmcache with LMCache (bash scripts/peers_venv.sh makes it)")
+def test_lmcache_kvtier_and_vllm_alone_side_by_side(tmp_path):
+    """The same with LMCache's server and connector (its venv runs every engine, so all
+    systems share one vLLM and torch)."""
+    out = tmp_path / "peers.json"
+    p = bench("--quick", "--systems", "alone,kvtier,lmcache-lmcache_driven,vllm-offload", "--out", str(out),
+              python=LMCACHE_PY)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["systems"] == ["alone", "kvtier", "lmcache-lmcache_driven"]
+    check_rows(data, ["kvtier", "lmcache-lmcache_driven"])
+    assert data["versions"]["lmcache"] == "0.5.6"
+    assert "CUDA" in data["skipped"]["vllm-offload"]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--systems", "alone,lmcache"], "unknown ['lmcache']"),
+    (["--systems", "kvtier", "--rounds", "many"], "--rounds: invalid int value"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(argv, said):
+    p = bench(*argv, timeout=120)
+    assert p.returncode == 2 and said in p.stderr, p.stderr
