@@ -33,8 +33,9 @@ class Flushes:
         self._waiting: dict = {}  # drain.Flush -> (identity, req_id, on_disk, note)
 
     @property
-    def pending(self) -> int:
-        return self.index.drains.pending
+    def pending(self) -> bool:
+        """Work left for ``step``: a flush to finish, or an emptied map to release."""
+        return self.index.drains.busy
 
     def start(self, identity: bytes, req_id: int, buckets: list, everything: bool, on_disk: int,
               note: str) -> None:
@@ -47,13 +48,15 @@ class Flushes:
     def step(self) -> None:
         """One turn's slice; replies for the flushes it finished."""
         drains = self.index.drains
-        if not drains.pending:
+        if not drains.busy:
             return
         t0, cpu0, freed, finished = time.perf_counter(), time.thread_time(), 0, []
-        while drains.pending and freed < SLICE_MAX:
+        while drains.busy and freed < SLICE_MAX:
+            releasing = drains.releasing
             finished += drains.step(min(BATCH, SLICE_MAX - freed))
             freed += BATCH
-            if time.perf_counter() - t0 >= SLICE_S:
+            # An emptied map is freed in a turn of its own (a million entries: ~40 MB to unmap).
+            if releasing or drains.releasing or time.perf_counter() - t0 >= SLICE_S:
                 break
         # What this turn held the loop: wall time (with the waits of a loaded machine) and the
         # loop thread's own CPU time (what the slice costs wherever it runs).

@@ -24,7 +24,7 @@ new ready map and are not part of the flush; a second flush of the namespace
 hides the new map as another part.
 
 Primitives: ``Drains(index).start(buckets) -> Flush``, ``.step(n) -> [Flush]``
-(the flushes finished by it), ``.pending``, ``.revive(ns, keys)``,
+(the flushes finished by it), ``.pending``, ``.busy``, ``.releasing``, ``.revive(ns, keys)``,
 ``.unhide(e)``; ``Flush.removed``, ``.hidden``.
 """
 
@@ -55,11 +55,22 @@ class Drains:
     def __init__(self, index) -> None:
         self.index = index
         self.queue: deque[Flush] = deque()
+        self._spent: list[dict] = []  # emptied hidden maps, released alone in the next step
 
     @property
     def pending(self) -> int:
         """Flushes started and not yet finished."""
         return len(self.queue)
+
+    @property
+    def releasing(self) -> bool:
+        """An emptied map waits: the next ``step`` only frees it (its own turn)."""
+        return bool(self._spent)
+
+    @property
+    def busy(self) -> bool:
+        """A flush pending, or an emptied map still to release: ``step`` has work."""
+        return bool(self.queue or self._spent)
 
     def start(self, buckets: list) -> Flush:
         """Hide every READY block of ``buckets`` now; ``step`` frees them."""
@@ -79,6 +90,9 @@ class Drains:
     def step(self, n: int) -> list[Flush]:
         """Free up to ``n`` hidden entries, oldest flush first; the flushes this finished."""
         index, done = self.index, []
+        if self._spent:  # a million-entry map's table is ~40 MB: freeing it (munmap) is this step's work
+            self._spent.clear()
+            return done
         while self.queue and n > 0:
             job = self.queue[0]
             while job.parts and n > 0:
@@ -97,6 +111,8 @@ class Drains:
                 if not hidden:
                     job.parts.pop()
                     ns.hidden = [h for h in ns.hidden if h is not hidden]
+                    self._spent.append(hidden)
+                    n = 0
             if job.done:
                 done.append(self.queue.popleft())
         return done
