@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="pool, namespaces, clients, hit rate")
     fl = sub.add_parser("flush", help="drop cached prefix blocks (swap is kept)")
     fl.add_argument("--namespace", default="", help="only this namespace fingerprint")
+    fl.add_argument("--wait", type=float, default=600.0,
+                    help="seconds to wait for the flush to finish (the reply comes when every block is freed)")
     top = sub.add_parser("top", help="live view with rates per second (q or Ctrl-C quits)")
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0 = run until q)")
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(client: Client, args) -> str:
     if args.command == "flush":
-        removed = client.flush(args.namespace or None)
+        removed = client.flush(args.namespace or None, timeout=args.wait)
         return json.dumps({"removed": removed}) if args.json else f"removed {removed} blocks"
     stats = client.stats()
     # This CLI is a client too while it asks; it is not one of the engines being listed.

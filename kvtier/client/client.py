@@ -290,8 +290,9 @@ class Client:
         """The daemon's stats document; ``check`` also verifies pool integrity."""
         return self.connection.stats(check)
 
-    def flush(self, namespace: Namespace | str | None = None) -> int:
-        return self.connection.flush(namespace.fingerprint() if isinstance(namespace, Namespace) else (namespace or ""))
+    def flush(self, namespace: Namespace | str | None = None, timeout: float | None = None) -> int:
+        fp = namespace.fingerprint() if isinstance(namespace, Namespace) else (namespace or "")
+        return self.connection.flush(fp, timeout)
 
     def ping(self) -> None:
         self.connection.ping()

@@ -157,8 +157,9 @@ class Connection:
         """The daemon's stats document; ``check`` also verifies pool integrity."""
         return self.channel.call(m.Stats(check)).stats
 
-    def flush(self, fingerprint: str = "") -> int:
-        return self.channel.call(m.Flush(fingerprint)).removed
+    def flush(self, fingerprint: str = "", timeout: float | None = None) -> int:
+        """Blocks removed; the reply comes once all are freed (``timeout``: how long to wait for it)."""
+        return self.channel.call(m.Flush(fingerprint), timeout=timeout).removed
 
     def ping(self) -> None:
         self.channel.call(m.Ping())
