@@ -15,10 +15,8 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
   flush_keys(keys)     a flush of namespaces that may be on disk only (after a restart)
   namespace_keys(), oldest_first(keys), drop_namespaces(keys)
                        max_namespaces_per_user counts disk namespaces too (daemon/sessions.py)
-  load(...) -> bool    the load names disk blocks the pool lacks: allocate them
-                       (invisible, like a store in progress), read and verify them
-                       on the I/O threads, commit the good ones, then run the load
-                       again locally; True = the reply comes from that second run
+  load(...) -> bool    the load names disk blocks the pool lacks (loads.py: read them
+                       into the pool, then run the load again); True = answered later
   cancel(...) -> bool  a Cancel names a load waiting on the disk: answered failed now
   poll()               the I/O wakeup fd is readable: finish what completed
 
@@ -29,11 +27,6 @@ indexes or drops again). Making room drops at most ``FIT_BATCH`` entries per
 loop turn: a large excess (a start after a ``disk_size`` cut) is dropped in
 slices, the loop answering requests between them.
 
-A load whose reads are not done after ``timeout_s`` is answered without them
-(those blocks fail, the engine recomputes; RAM hits of the same load are
-served); its slots stay reserved until the reads returned. A disk that has
-a read stuck past ``timeout_s`` takes no new loads until it answers: they
-fail at once. Disk blocks are never written back by a load (they are on disk).
 """
 
 from __future__ import annotations
@@ -45,27 +38,14 @@ from itertools import islice
 
 from ..pool.index import READY
 from ..pool.keys import owner_of, split_key
-from ..protocol import messages as m
-from ..protocol.arrays import pack_ids
-from ..protocol.codec import encode
 from .format import HEADER_BYTES, MAX_NS_KEY
 from .index import DiskEntry, DiskIndex
 from .io import DiskIO
+from .loads import DiskLoads
 from .schedule import WriteBacklog
 
 log = logging.getLogger("kvtier.disk")
 FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us each measured
-
-
-class PendingLoad:
-    """A load waiting for disk reads: its own, and reads other loads started for blocks it needs.
-    It counts toward its user's ``max_transfers_per_user`` until answered (``DiskBridge.waiting``)."""
-    __slots__ = ("identity", "req_id", "msg", "present", "count", "waits", "uid", "answered", "cancelled")
-
-    def __init__(self, identity, req_id, msg, present, count, waits, uid):
-        self.identity, self.req_id, self.msg = identity, req_id, msg
-        self.present, self.count, self.waits, self.uid = present, count, waits, uid
-        self.answered = self.cancelled = False
 
 
 class DiskBridge:
@@ -85,11 +65,8 @@ class DiskBridge:
         # dropped); forgotten with its last job, so cycling namespaces leaves nothing behind.
         self.generation: Counter = Counter()
         self.in_flight: Counter = Counter()  # ns key -> blocks being written or read
-        self.loads: dict = {}           # read job -> [PendingLoad waiting for it]
-        self.reading: dict = {}         # (ns key, block key) -> the read job bringing it into the pool
-        self.by_request: dict = {}      # (identity, request id) -> PendingLoad
-        self.by_user: Counter = Counter()  # uid -> its loads waiting (admission counts them)
-        self.local_only: set = set()    # (identity, request id) of loads being re-run after the reads
+        self.loads = DiskLoads(self, send, redispatch)  # loads waiting for disk reads (loads.py)
+        self.load, self.cancel, self.waiting = self.loads.load, self.loads.cancel, self.loads.waiting
         self.scanning = True
         self.scan_started = time.monotonic()
         self.scan_s = 0.0
@@ -105,9 +82,12 @@ class DiskBridge:
         on_disk = self.dindex.namespaces.get(ns.fingerprint)
         if on_disk is None:
             return hits
-        ready, n = ns.ready_map, hits
+        ready, n, touch = ns.ready_map, hits, self.dindex.touch
         for k in islice(keys, hits, None):
-            if k not in on_disk and k not in ready:
+            e = on_disk.get(k)
+            if e is not None:
+                touch(e)  # a disk hit is a use: the disk drops least recently used files first
+            elif k not in ready:
                 break
             n += 1
         if n > hits:
@@ -148,11 +128,12 @@ class DiskBridge:
             self.backlog.lost(owner_of(key), "too_long", len(keys))
             return
         self.backlog.add(owner_of(key), ns, keys)
-        self._feed()
+        self._feed()  # in memory (pins, a queued job): under 1% of a store's samples (docs/DISK_TIER.md)
 
     def _feed(self) -> None:
         """Move backlog turns into the write-behind queue while it has room. A block is
         written from the pool if it is still there (pinned from here until written)."""
+        self.io.hurry(self.backlog.urgent(self.io.urgent))
         while True:
             turn = self.backlog.take(self.queue_bytes - self.queued)
             if turn is None:
@@ -193,7 +174,7 @@ class DiskBridge:
         self.writing.difference_update((key, e.key) for e in entries)
         self.dindex.release(len(entries) * (HEADER_BYTES + size), owner_of(key))
         stale = gen != self.generation[key]  # flushed while being written
-        self._landed(key, len(entries))
+        self.landed(key, len(entries))
         unannounced = []
         for i, crc, path in job.ok:
             _, k, seq, _ = job.items[i]
@@ -205,7 +186,7 @@ class DiskBridge:
                 self.index.record("disk_stored", key, k)
         self.counters["write_failed"] += len(job.failed)
         self.backlog.lost(owner_of(key), "failed", len(job.failed))
-        self.io.unlink(unannounced, self._emptied([key]))
+        self.io.unlink(unannounced, self.emptied([key]))
         self._fit()
         self._feed()  # the queue has room again
 
@@ -224,14 +205,14 @@ class DiskBridge:
     def _unlink(self, victims: list) -> None:
         for v in victims:
             self.index.record("disk_removed", v.ns_key, v.key)
-        self.io.unlink([v.path for v in victims], self._emptied({v.ns_key for v in victims}))
+        self.io.unlink([v.path for v in victims], self.emptied({v.ns_key for v in victims}))
 
-    def _emptied(self, ns_keys) -> list[str]:
+    def emptied(self, ns_keys) -> list[str]:
         """Namespaces with nothing left on disk and nothing in flight: their directories go
         once the unlinks queued with them are done (cycling namespaces leaves no directory)."""
         return [k for k in ns_keys if k not in self.dindex.namespaces and not self.in_flight[k]]
 
-    def _landed(self, key: str, n: int) -> None:
+    def landed(self, key: str, n: int) -> None:
         """``n`` blocks of ``key`` written or read: a namespace with none left in flight is forgotten."""
         self.in_flight[key] -= n
         if self.in_flight[key] <= 0:
@@ -246,136 +227,6 @@ class DiskBridge:
     def oldest_first(self, ns_keys) -> list[str]:
         """Namespaces on disk, the one written or read least recently first."""
         return sorted((k for k in ns_keys if k in self.dindex.namespaces), key=self.dindex.ns_newest.__getitem__)
-
-    # ---- loads ---------------------------------------------------------------------------------
-    def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes], uid=None) -> bool:
-        """``uid``: the requesting user, whose transfer cap a waiting load counts toward."""
-        if (identity, req_id) in self.local_only:
-            return False
-        fp = ns.fingerprint
-        on_disk = self.dindex.namespaces.get(fp)
-        if on_disk is None:
-            return False
-        entries, ready, reading = ns.entries, ns.ready_map, self.reading
-        wanted, waits = [], set()  # to read; reads in flight for other loads that this one waits for
-        for k in (keys if msg.prefix else dict.fromkeys(keys)):
-            job = reading.get((fp, k))
-            if job is not None and job.expired:
-                # Its read is stuck past the deadline (set by the clock thread; a read of a bool):
-                # waiting on it would hold this load until the disk answers, not disk_timeout_s.
-                self.counters["fail_fast"] += 1
-                if msg.prefix:
-                    break
-            elif job is not None:
-                waits.add(job)
-            elif k in on_disk and k not in entries:
-                wanted.append(k)
-            elif msg.prefix and k not in ready:
-                break  # only the chain's prefix is wanted: read the disk blocks in it
-        if not wanted and not waits:
-            return False
-        if wanted and self.io.stalled(self.timeout_s):
-            self.counters["fail_fast"] += len(wanted)
-            wanted = []
-            if not waits:
-                return False
-        present = [e for e in map(entries.get, keys) if e is not None and e.state == READY]
-        # Held so that room made for the blocks read is not taken from this very chain.
-        self.index.pin(present)
-        if wanted:
-            job = self._read_into_pool(ns, on_disk, wanted)
-            if job is not None:
-                waits.add(job)
-        if not waits:
-            self.index.unpin(present)
-            return False
-        p = PendingLoad(identity, req_id, msg, present, len(keys), waits, uid)
-        for job in waits:
-            self.loads[job].append(p)
-        self.by_request[(identity, req_id)] = p
-        self.by_user[uid] += 1
-        return True
-
-    def waiting(self, uid) -> int:
-        """Loads of ``uid`` waiting for disk reads: transfers in flight like its copies."""
-        return self.by_user.get(uid, 0)
-
-    def _read_into_pool(self, ns, on_disk: dict, wanted: list):
-        """Slots for ``wanted`` (invisible until read and verified) and the job reading them, or None."""
-        plan = self.index.prepare_store(ns, wanted)
-        got = [i for i, e in enumerate(plan.entries) if e is not None]
-        if not got:
-            self.index.complete_store(plan, failed=range(len(plan.entries)))
-            self.counters["no_room"] += len(wanted)
-            return None
-        items = [(on_disk[plan.entries[i].key], plan.entries[i].offset) for i in got]
-        job = self.io.read(items, ns.block_bytes, (plan, got, self.generation[ns.fingerprint]),
-                           time.monotonic() + self.timeout_s)
-        self.loads[job] = []
-        self.in_flight[ns.fingerprint] += len(got)
-        self.reading.update(((ns.fingerprint, plan.entries[i].key), job) for i in got)
-        return job
-
-    def cancel(self, identity: bytes, req_id: int) -> bool:
-        """The client cancels a load waiting on the disk: answered failed now, nothing copied."""
-        p = self.by_request.get((identity, req_id))
-        if p is None:
-            return False
-        p.cancelled = True
-        self._answer(p)
-        return True
-
-    def _answer(self, p: PendingLoad) -> None:
-        if p.answered:
-            return
-        p.answered = True
-        self.by_request.pop((p.identity, p.req_id), None)
-        self.by_user[p.uid] -= 1  # before the re-run below is admitted: it takes this load's place
-        if not self.by_user[p.uid]:
-            del self.by_user[p.uid]
-        self.index.unpin(p.present)
-        if p.cancelled:  # the engine may reuse its blocks already: copy nothing into them
-            self.send(p.identity, p.req_id, m.TransferDone(0, 0, pack_ids(range(p.count))))
-            return
-        self.local_only.add((p.identity, p.req_id))
-        try:
-            self.redispatch(p.identity, encode(p.msg, p.req_id))
-        finally:
-            self.local_only.discard((p.identity, p.req_id))
-
-    def _read(self, job) -> None:
-        """The reads returned: commit what verified, forget files that did not, answer the loads
-        that waited for nothing else."""
-        plan, got, gen = job.token
-        failed = set(job.failed)
-        stale = gen != self.generation[plan.ns.fingerprint]
-        self._landed(plan.ns.fingerprint, len(got))
-        if stale:  # flushed while being read: commit nothing
-            failed = set(range(len(got)))
-            job.ok = []
-        self.index.complete_store(plan, failed=[got[j] for j in failed])
-        for i in got:
-            self.reading.pop((plan.ns.fingerprint, plan.entries[i].key), None)
-        good = [(plan.entries[got[j]].offset, crc) for j, crc in job.ok]
-        if self.crcs is not None:
-            self.crcs.update(good)
-        if self.journal is not None and good:
-            self.journal.committed(plan, good)
-        for j, _ in job.ok:
-            self.dindex.touch(job.items[j][0])
-        bad = [job.items[j][0] for j in job.bad]
-        for e in bad:
-            if self.dindex.remove(e):  # not yet dropped for room or flushed: announce it
-                self.index.record("disk_removed", e.ns_key, e.key)
-        # Each write's own file (its seq is in the name); its directory too if nothing is left.
-        self.io.unlink([e.path for e in bad], self._emptied([plan.ns.fingerprint]))
-        waiting = self.loads.pop(job)
-        self.counters.update(loaded=len(job.ok), load_failed=len(failed),
-                             late=len(job.ok) if job.expired else 0)
-        for p in waiting:
-            p.waits.discard(job)
-            if not p.waits:
-                self._answer(p)
 
     # ---- completions -------------------------------------------------------------------------
     def poll(self) -> None:
@@ -393,11 +244,9 @@ class DiskBridge:
             elif job.kind == "write":
                 self._written(job)
             elif what == "expired":  # the loads waiting for it go on without its blocks
-                self.counters["timed_out"] += len(job.items)
-                for p in self.loads.get(job, ()):
-                    self._answer(p)
+                self.loads.expired(job)
             else:
-                self._read(job)
+                self.loads.read(job)
 
     def _found(self, entries: list) -> None:
         """A batch of the start-up scan: indexed (lookups count them now) and announced."""
@@ -424,7 +273,7 @@ class DiskBridge:
             if tenant is None or owner == tenant:
                 rows.append({"fingerprint": fingerprint, "blocks": blocks, "bytes": nbytes,
                              **({"tenant": owner} if tenant is None else {})})
-        keys = ("written", "written_bytes", "read", "read_bytes", "read_direct", "rejected", "missing", "enospc", "eio",
+        keys = ("written", "written_bytes", "written_direct", "read", "read_bytes", "read_direct", "rejected", "missing", "enospc", "eio",
                 "read_errors", "errors", "read_expired", "read_late", "unlinked", "scanned", "scan_rejected")
         out = {"enabled": True, "path": self.io.root, "o_direct": self.io.direct,
                "capacity_bytes": self.dindex.capacity,
@@ -432,7 +281,7 @@ class DiskBridge:
                "blocks": len(self.dindex), "dropped": self.dindex.dropped, "queued_bytes": self.queued,
                "queue_bytes": self.queue_bytes, "scanning": self.scanning, "fitting": self.fit_pending,
                "scan_s": round(self.scan_s, 3),
-               "loads_waiting": len(self.by_request), "reads_in_flight": len(self.loads), "namespaces": rows,
+               "loads_waiting": len(self.loads.by_request), "reads_in_flight": len(self.loads.waiting_for), "namespaces": rows,
                "backlog_blocks": self.backlog.blocks if tenant is None else self.backlog.of(tenant),
                "backlog_limit_bytes": self.backlog.limit_bytes, "not_written": self.backlog.not_written(tenant),
                **{k: io.get(k, 0) for k in keys}, **{k: self.counters[k] for k in (

@@ -3,7 +3,7 @@ start-up scan share (no state).
 
 Primitives: ``check_file(st, uid, size)``, ``write_all(fd, bufs)``,
 ``read_all(fd, bufs, offset)``, ``direct_io_works(dir)``, ``buffer_address(buf)``,
-``quiet_unlink(path)``, ``scan(root, uid, keep_prefix, put)``.
+``quiet_unlink(path)``, ``lower_priority(delta)``, ``scan(root, uid, keep_prefix, put)``.
 """
 
 from __future__ import annotations
@@ -81,6 +81,16 @@ def direct_io_works(directory: str) -> bool:
 def buffer_address(buf) -> int:
     import numpy as np
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)  # the array (and its export) dies here
+
+
+def lower_priority(delta: int) -> None:
+    """Nice the calling thread by ``delta`` (Linux keeps a nice per thread). Lowering a priority
+    needs no privilege; where it fails anyway the thread runs at the daemon's."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + delta))
+    except OSError as exc:
+        log.warning("disk write threads run at the daemon's priority: %s", exc)
 
 
 def quiet_unlink(path: str) -> bool:

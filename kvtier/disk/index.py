@@ -3,20 +3,24 @@
 Lookups never touch the disk: they ask this index. An entry is added once
 its file is complete (renamed into place) and removed before its file is
 unlinked. Space is reserved when a write is queued, so ``used + reserved``
-never exceeds ``capacity``: making room drops the oldest entries (by write
-order, refreshed when a block is loaded back) and returns them for the
-caller to unlink. The verbs that make room take a ``limit``: the caller (the
+never exceeds ``capacity``: making room drops the least recently used
+entries (written, loaded back, or counted by a lookup's disk hit) and
+returns them for the caller to unlink. The verbs that make room take a ``limit``: the caller (the
 loop thread) drops a large excess (a start after a ``disk_size`` cut) in
 slices between requests, so ``used + reserved`` may exceed ``capacity`` for
 a few loop turns while ``over`` is true.
 
-Age order is a heap with lazy deletion, not a list kept sorted: files found
-by the start-up scan arrive in directory order, and a million of them must
-not be sorted on the loop thread. An entry's ``age`` is its file's ``seq``
-(time-based: earlier daemons' files are older), raised past every other age
-when it is written or read back; heap items whose entry was removed or aged
-since are skipped when popped, and the heap is rebuilt when it holds more
-stale items than live ones.
+Recency order is a heap with lazy deletion, not a list kept sorted: files
+found by the start-up scan arrive in directory order, and a million of them
+must not be sorted on the loop thread. An entry's ``age`` is its heap key,
+first its file's ``seq`` (time-based: earlier daemons' files are older), or
+past every other age when written; a use (``touch``: a load read it back,
+a lookup counted it) only sets ``used`` to the next tick, an attribute
+write a lookup can afford per block. The heap is reordered lazily: a popped
+entry used since its key was set goes back in keyed by that use instead of
+being dropped, so what is dropped is the least recently used. Items whose
+entry was removed or re-keyed since are skipped when popped, and the heap
+is rebuilt when it holds more stale items than live ones.
 
 Primitives:
   DiskIndex(capacity, share=1.0)            share < 1: per tenant (shares.py), a write at it drops its own
@@ -27,7 +31,8 @@ Primitives:
                                            an older copy of its key is a victim
   shrink(limit=None) -> [victims]          fit within capacity, at most ``limit`` victims per call
   over -> bool                             more to drop before ``used + reserved`` fits
-  remove(entry) -> bool, touch(entry)
+  remove(entry) -> bool, touch(entry)       touch: a use (O(1); the heap catches up when it pops it)
+  pop_lru(heap) -> entry | None             the least recently used entry of a heap (shares.py too)
   drop(ns_keys=None) -> [victims]          flush: every entry of those namespaces (None: all)
   by_namespace() -> {ns_key: (blocks, bytes)}, check_integrity(fitted=True)
 """
@@ -43,11 +48,11 @@ from .shares import DiskShares
 
 
 class DiskEntry:
-    __slots__ = ("ns_key", "key", "seq", "size", "crc", "path", "age")
+    __slots__ = ("ns_key", "key", "seq", "size", "crc", "path", "age", "used")
 
     def __init__(self, ns_key: str, key: bytes, seq: int, size: int, crc: int, path: str):
         self.ns_key, self.key, self.seq, self.size, self.crc, self.path = ns_key, key, seq, size, crc, path
-        self.age = seq
+        self.age = self.used = seq  # heap key; last use (> age: used since it was keyed)
 
     @property
     def file_bytes(self) -> int:
@@ -102,8 +107,8 @@ class DiskIndex:
         (at most ``limit`` of them: ``over`` says whether more must go)."""
         victims = []
         while self.used + self.reserved > self.capacity and self.count and (limit is None or len(victims) < limit):
-            age, _, entry = heapq.heappop(self._heap)
-            if entry.age == age and self.remove(entry):
+            entry = self.pop_lru(self._heap)
+            if entry is not None and self.remove(entry):
                 victims.append(entry)
         self.dropped += len(victims)
         return victims
@@ -148,8 +153,24 @@ class DiskIndex:
         return True
 
     def touch(self, entry: DiskEntry) -> None:
+        """A use: O(1) (a lookup touches every disk block it counts); the heap catches up in pop_lru."""
         if entry.age >= 0:
-            self._push(entry, self._newest + 1)
+            self._newest += 1
+            entry.used = self._newest
+            self.ns_newest[entry.ns_key] = self._newest
+
+    def pop_lru(self, heap: list) -> DiskEntry | None:
+        """Pop ``heap``'s least recently used live entry (None: nothing live left). An entry
+        used since it was keyed goes back keyed by that use (``_push``: into every heap)."""
+        while heap:
+            age, _, entry = heapq.heappop(heap)
+            if entry.age != age:
+                continue  # removed, or re-keyed since: a newer item stands for it
+            if entry.used > age:
+                self._push(entry, entry.used)
+                continue
+            return entry
+        return None
 
     def drop(self, ns_keys=None) -> list[DiskEntry]:
         keys = list(self.namespaces) if ns_keys is None else [k for k in ns_keys if k in self.namespaces]
@@ -159,7 +180,7 @@ class DiskIndex:
         return victims
 
     def _push(self, entry: DiskEntry, age: int) -> None:
-        entry.age = age
+        entry.age = entry.used = age
         self._newest = max(self._newest, age)
         if age > self.ns_newest.get(entry.ns_key, -1):
             self.ns_newest[entry.ns_key] = age
@@ -170,7 +191,7 @@ class DiskIndex:
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * self.count + 64:  # amortized O(1): at least half the items go
-            self._heap = [item for item in self._heap if item[2].age == item[0]]
+            self._heap[:] = [item for item in self._heap if item[2].age == item[0]]  # in place: pop_lru holds it
             heapq.heapify(self._heap)
             self.shares.compact(self._heap)
 

@@ -3,22 +3,25 @@ a scanner that rebuilds the index from the files at start, and a deadline
 clock. Results go back to the daemon's loop through a wakeup pipe; the loop
 never waits on the disk.
 
-Every verb queues and returns at once. Reads go before writes (a load is
-waited for, a write-behind is not), but while both wait every fourth item
-is a write, so reads never hold writes back for good (``schedule.IOQueues``);
-the items of one job are shared by all
-workers, so one large load reads with every thread. A read job not done by
+Every verb queues and returns at once. Reads and writes have their own
+threads (``schedule.IOQueues``): ``threads`` readers at the daemon's CPU
+priority (a load waits for them), ``WRITERS`` writers niced by
+``WRITE_NICE`` (a write-behind waits for nobody), which also unlink. The
+items of one job are shared by its lane's threads, so one large load reads
+with every reader. A read job not done by
 its deadline is reported ``expired`` by the clock thread (the loop answers
 the load without those blocks) and reported again, ``done``, when its reads
 returned: only then may the pool bytes it names be reused.
 
-Files are read with ``os.preadv`` straight into the pool (buffered I/O: one
-copy, kernel to pool), checked against the header the index expects and the
-payload crc32, then dropped from the page cache (the pool holds them now).
-Writes go to ``tmp/`` and are renamed into place; see BENCHMARKS.md for why
-no fsync and no ``O_DIRECT``.
+Files are read with ``os.preadv`` straight into the pool (``O_DIRECT`` where
+the filesystem takes it, else buffered and then dropped from the page
+cache), checked against the header the index expects and the payload crc32.
+Writes go to ``tmp/`` and are renamed into place, with ``O_DIRECT`` from the
+pool slot where reads use it (no page-cache copy, no writeback work for the
+kernel's flusher threads on the cores the stores need); see BENCHMARKS.md
+for why no fsync.
 
-Primitives: ``DiskIO(root, pool, threads)``, ``.write(items, size, token)``,
+Primitives: ``DiskIO(root, pool, threads, writers=WRITERS)``, ``.write(items, size, token)``,
 ``.read(items, size, token, deadline)``, ``.unlink(paths)``, ``.scan()``,
 ``.remind(what)``, ``.completed() -> [(what, job)]``, ``.stalled(timeout)``, ``.wakeup_fd``,
 ``.counters``, ``.close()``.
@@ -37,40 +40,25 @@ import threading
 import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
 
 from ..pool.keys import owner_of
 from ..waker import Inbox
-from .files import (ALIGN, OPEN_READ, buffer_address, check_file, direct_io_works, quiet_unlink, read_all, scan,
-                    write_all)
+from .files import (ALIGN, OPEN_READ, buffer_address, check_file, direct_io_works, lower_priority, quiet_unlink,
+                    read_all, scan, write_all)
 from .format import HEADER_BYTES, TMP_DIR, block_name, decode_header, encode_header, ns_dir
-from .schedule import IOQueues
+from .schedule import DiskJob, IOQueues
 
 log = logging.getLogger("kvtier.disk")
 OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 ERRNO_COUNTER = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "eio"}
+WRITERS = 2       # write threads: niced, they take the cores the foreground leaves (docs/DISK_TIER.md)
+WRITE_NICE = 10   # their nice above the daemon's: CFS weight 110 vs 1024, about a tenth of a busy core each
 MAX_TENANT_ERRORS = 256  # (tenant, counter) messages kept: a tenant per uid at most, a few counters each
 
 
-@dataclass(eq=False)
-class DiskJob:
-    kind: str                    # "write" | "read" | "unlink"
-    token: Any                   # the caller's, handed back untouched
-    items: list                  # write: (ns_key, key, seq, offset); read: (entry, offset); unlink: path
-    size: int = 0
-    deadline: float = 0.0        # read: reported "expired" by then if not done
-    next: int = 0                # guarded by the lock: the next item a worker takes
-    finished: int = 0            # guarded by the lock: items done
-    expired: bool = False        # guarded by the lock
-    started: float = 0.0         # when a worker took its first item (stall detection)
-    ok: list = field(default_factory=list)      # write: (index, crc, path); read: (index, crc)
-    failed: list = field(default_factory=list)  # indices not written / not read intact
-    bad: list = field(default_factory=list)     # read: indices whose file must go (corrupt, foreign, gone)
-
-
 class DiskIO:
-    def __init__(self, root: str, pool, threads: int, fsync: bool = False, direct: bool | None = None):
+    def __init__(self, root: str, pool, threads: int, fsync: bool = False, direct: bool | None = None,
+                 writers: int = WRITERS):
         self.root, self.fsync = root, fsync
         self.pool = memoryview(pool).cast("B")
         self.base = buffer_address(self.pool)
@@ -85,7 +73,9 @@ class DiskIO:
         # (tenant, counter) -> that tenant's last message: a message names a file, which names a
         # tenant's namespace and block hash, so a tenant is shown its own only (guarded by the lock)
         self.tenant_errors: dict[tuple[str, str], str] = {}
-        self._cv = threading.Condition(self.lock)
+        self._cv = threading.Condition(self.lock)  # the clock's
+        write = threading.Condition(self.lock)  # the urgent writer waits with the others
+        self._lanes = {"read": threading.Condition(self.lock), "write": write, "urgent": write}
         self._queues = IOQueues()            # guarded by the lock
         self._running: set = set()           # read jobs with an item being read
         self._done = Inbox()
@@ -94,8 +84,9 @@ class DiskIO:
         self._tmp_prefix = f"{os.getpid()}-{time.time_ns():x}-"
         self._dirs: set[str] = set()
         self._heap: list = []                # (deadline, n, job): the clock's
-        self._threads = [threading.Thread(target=self._serve, name=f"kvtier-disk-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [threading.Thread(target=self._serve, args=(lane,), name=f"kvtier-disk-{lane}-{i}",
+                                          daemon=True)
+                         for lane, n in (("read", threads), ("write", writers), ("urgent", 1)) for i in range(n)]
         self._threads.append(threading.Thread(target=self._clock, name="kvtier-disk-clock", daemon=True))
         for t in self._threads:
             t.start()
@@ -125,6 +116,17 @@ class DiskIO:
         """Delete ``paths``; then, when all are gone, the directories of ``ns_keys`` if empty."""
         if paths:
             self._queue(DiskJob("unlink", [os.path.join(self.root, ns_dir(k)) for k in ns_keys], list(paths)))
+
+    @property
+    def urgent(self) -> bool:
+        return self._queues.urgent
+
+    def hurry(self, urgent: bool) -> None:
+        """The write backlog is filling (or no longer): one more writer, at the daemon's priority."""
+        if urgent != self._queues.urgent:
+            with self.lock:
+                self._queues.urgent = urgent
+                self._lanes["urgent"].notify_all()
 
     def scan(self) -> None:
         """Rebuild from the files (its own thread): batches of entries come back as ("scan", [..]),
@@ -156,7 +158,8 @@ class DiskIO:
     def close(self) -> None:
         with self._cv:
             self._closing = True
-            self._cv.notify_all()
+            for cv in (self._cv, *set(self._lanes.values())):
+                cv.notify_all()
         end = time.monotonic() + 5  # a thread stuck in a hung read is left behind (the pool stays mapped)
         for t in self._threads:
             t.join(timeout=max(0.0, end - time.monotonic()))
@@ -169,30 +172,34 @@ class DiskIO:
         if not job.items:
             self._done.put(("done", job))
             return job
-        with self._cv:
+        lane = "read" if job.kind == "read" else "write"
+        with self.lock:
             self._queues.push(job)
-            self._cv.notify_all()
+            self._lanes[lane].notify_all()
         return job
 
-    def _take(self):
-        """The next (job, item index) (``IOQueues``: reads first, writes not starved). None when closing."""
-        with self._cv:
+    def _take(self, lane: str):
+        """The next (job, item index) of ``lane`` (``IOQueues``). None when closing."""
+        cv = self._lanes[lane]
+        with cv:
             while True:
                 if self._closing:
                     return None
-                got = self._queues.take()
+                got = self._queues.take(lane)
                 if got is not None:
                     job = got[0]
                     if job.kind == "read" and not job.started:
                         job.started = time.monotonic()
                         self._running.add(job)
                     return got
-                self._cv.wait()
+                cv.wait()
 
-    def _serve(self) -> None:
+    def _serve(self, lane: str) -> None:
+        if lane == "write":
+            lower_priority(WRITE_NICE)
         run = {"write": self._write_one, "read": self._read_one, "unlink": self._unlink_one}
         while True:
-            got = self._take()
+            got = self._take(lane)
             if got is None:
                 return
             job, i = got
@@ -240,10 +247,18 @@ class DiskIO:
         crc = zlib.crc32(payload)
         final = self.path_of(ns_key, key, seq)
         tmp = os.path.join(self.root, TMP_DIR, f"{self._tmp_prefix}{seq:x}.tmp")
+        # O_DIRECT: the device reads the slot itself (pinned until this returns), the header from
+        # an aligned page; no page-cache copy and no writeback for the kernel to do afterwards.
+        direct = self.direct and (self.base + off) % ALIGN == 0 and job.size % ALIGN == 0
+        header = encode_header(ns_key, key, seq, job.size, crc)
+        if direct:
+            page = self._page()
+            page[:] = header
+            header = memoryview(page)
         try:
-            fd = os.open(tmp, OPEN_WRITE, 0o600)
+            fd = os.open(tmp, OPEN_WRITE | (os.O_DIRECT if direct else 0), 0o600)
             try:
-                write_all(fd, [encode_header(ns_key, key, seq, job.size, crc), payload])
+                write_all(fd, [header, payload])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -268,7 +283,14 @@ class DiskIO:
         finally:
             payload.release()
         job.ok.append((i, crc, final))
-        tally.update(written=1, written_bytes=job.size)
+        tally.update(written=1, written_bytes=job.size, written_direct=direct)
+
+    def _page(self) -> mmap.mmap:
+        """This thread's page-aligned header buffer (O_DIRECT needs aligned memory)."""
+        header = getattr(self._local, "header", None)
+        if header is None:
+            header = self._local.header = mmap.mmap(-1, HEADER_BYTES)
+        return header
 
     def _read_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         entry, off = job.items[i]
@@ -313,9 +335,7 @@ class DiskIO:
     def _read_verified(self, fd: int, entry, off: int, size: int) -> str:
         """Header and payload in one read (the payload straight into the pool slot;
         with O_DIRECT by DMA, no page cache), then both checked: why not, or ""."""
-        header = getattr(self._local, "header", None)
-        if header is None:
-            header = self._local.header = mmap.mmap(-1, HEADER_BYTES)  # page-aligned, as O_DIRECT needs
+        header = self._page()
         dest = self.pool[off:off + size]
         try:
             n = read_all(fd, [memoryview(header), dest], 0)
@@ -371,3 +391,4 @@ class DiskIO:
             with self.lock:
                 self.counters.update(tally)
             self._done.put(("scanned", None))
+

@@ -15,10 +15,19 @@ turn comes it is written from the pool if it is still there, else counted
 longest backlog loses its oldest item (``backlog_full``), so one tenant's
 flood costs its own blocks, not another's.
 
-``IOQueues`` (the I/O threads, under DiskIO's lock): reads go first (a load
-waits for them; a write-behind does not), but while both wait, every
-``WRITE_EVERY``-th item taken is a write: a stream of reads, another
-tenant's or a slow disk's, cannot hold writes back for good.
+``IOQueues`` (the I/O threads, under DiskIO's lock): reads and writes wait
+in their own queues for their own threads. Reads are the foreground (a load
+waits for them) and run at the daemon's priority; writes and unlinks run on
+fewer threads at a lower CPU priority (``io.WRITE_NICE``), so the kernel
+gives a store's copy and a load's reads the cores first and a write the
+time they leave, never none (a niced thread still gets its share of a busy
+core): a stream of reads cannot hold writes back, and writes cannot slow
+the stores whose blocks they save (docs/DISK_TIER.md, "Where a store's
+time went"). When the backlog is more than half its bound (``urgent``,
+set by the loop), one more writer at the daemon's own priority helps: stores
+coming faster than the niced writers keep up with share the cores with it
+rather than lose their blocks (``evicted``, ``backlog_full``); it stops
+below a quarter.
 
 Why a block was not written is counted per tenant: ``evicted`` (left RAM
 before its turn), ``backlog_full``, ``over_share`` (more than the tenant's
@@ -29,15 +38,17 @@ Primitives:
   WriteBacklog(limit_bytes)   .add(tenant, ns, keys), .take(room_bytes) -> (tenant, ns, keys) | None,
                               .forget(ns_key), .namespaces(), .lost(tenant, why, n), .blocks, .nbytes,
                               .of(tenant), .not_written(tenant=None)
-  IOQueues(write_every)       .push(job), .take() -> (job, index) | None, .reads, .writes
+  DiskJob(kind, token, items, size, deadline)   one verb's items, shared by its lane's threads
+  IOQueues()                  .push(job), .take(lane) -> (job, index) | None, .reads, .writes, .urgent
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
 
 BATCH = 32        # blocks of one tenant per turn
-WRITE_EVERY = 4   # while reads and writes both wait: one write item after this many read items
 
 
 class WriteBacklog:
@@ -48,6 +59,10 @@ class WriteBacklog:
         self.items: set = set()              # (ns key, hash) in any backlog: named once
         self.nbytes = 0
         self.not_written_: Counter = Counter()  # (tenant, why) -> blocks
+
+    def urgent(self, now: bool) -> bool:
+        """Whether the urgent writer should help: from half the bound, until below a quarter."""
+        return self.nbytes * (2 if not now else 4) > self.limit_bytes
 
     @property
     def blocks(self) -> int:
@@ -154,26 +169,43 @@ class WriteBacklog:
         return out
 
 
-class IOQueues:
-    """Read and write jobs; a job's items are handed out one at a time (shared by all threads)."""
+@dataclass(eq=False)
+class DiskJob:
+    kind: str                    # "write" | "read" | "unlink"
+    token: Any                   # the caller's, handed back untouched
+    items: list                  # write: (ns_key, key, seq, offset); read: (entry, offset); unlink: path
+    size: int = 0
+    deadline: float = 0.0        # read: reported "expired" by then if not done
+    next: int = 0                # guarded by the lock: the next item a worker takes
+    finished: int = 0            # guarded by the lock: items done
+    expired: bool = False        # guarded by the lock
+    started: float = 0.0         # when a worker took its first item (stall detection)
+    ok: list = field(default_factory=list)      # write: (index, crc, path); read: (index, crc)
+    failed: list = field(default_factory=list)  # indices not written / not read intact
+    bad: list = field(default_factory=list)     # read: indices whose file must go (corrupt, foreign, gone)
 
-    def __init__(self, write_every: int = WRITE_EVERY):
-        self.write_every = write_every
+
+class IOQueues:
+    """Read jobs and write jobs (writes and unlinks), each lane taken by its own
+    threads; a job's items are handed out one at a time (shared by the lane's threads)."""
+
+    def __init__(self):
         self.reads: deque = deque()
         self.writes: deque = deque()   # writes and unlinks
-        self._reads_in_a_row = 0
+        self.urgent = False            # the "urgent" lane takes writes too (the backlog is filling)
 
     def push(self, job) -> None:
-        (self.reads if job.kind == "read" else self.writes).append(job)
+        self.lane(job.kind).append(job)
 
-    def __bool__(self) -> bool:
-        return bool(self.reads or self.writes)
+    def lane(self, kind: str) -> deque:
+        return self.reads if kind == "read" else self.writes  # "urgent" takes writes
 
-    def take(self):
-        """The next (job, item index), or None when both are empty."""
-        q = self.reads
-        if not q or (self.writes and self._reads_in_a_row >= self.write_every):
-            q = self.writes or self.reads
+    def take(self, lane: str):
+        """The next (job, item index) of ``lane`` ("read" | "write" | "urgent": writes while
+        ``urgent``), or None when there is none."""
+        if lane == "urgent" and not self.urgent:
+            return None
+        q = self.lane(lane)
         if not q:
             return None
         job = q[0]
@@ -181,5 +213,4 @@ class IOQueues:
         job.next += 1
         if job.next >= len(job.items):
             q.popleft()
-        self._reads_in_a_row = self._reads_in_a_row + 1 if q is self.reads else 0
         return job, i

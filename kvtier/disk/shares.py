@@ -4,7 +4,7 @@ Blocks go to disk as the RAM pool evicts them, so without a limit one tenant
 storing without end fills ``disk_size`` with its own and drops every other
 tenant's files. With ``share`` < 1, a tenant's files plus its writes in flight
 may take at most ``share`` of ``disk_size``: a write that would pass it first
-drops that tenant's own oldest files (its own age heap, lazily cleaned like
+drops that tenant's own least recently used files (its own heap, lazily cleaned like
 the index's), never another's; a write larger than the share is skipped.
 Below its share a write makes room by the global age order as before. Files
 found by the start-up scan count against their tenant but are not dropped
@@ -68,10 +68,11 @@ class DiskShares:
             return []
         if nbytes > self.limit - self.pending[tenant]:
             return None
-        victims, heap = [], self._heaps.get(tenant, [])
-        while self.used[tenant] + self.pending[tenant] + nbytes > self.limit and heap:
-            age, _, entry = heapq.heappop(heap)
-            if entry.age == age and index.remove(entry):
+        victims = []
+        # The heap is fetched each time: a re-keyed entry may have made the index compact (new lists).
+        while self.used[tenant] + self.pending[tenant] + nbytes > self.limit and self._heaps.get(tenant):
+            entry = index.pop_lru(self._heaps[tenant])
+            if entry is not None and index.remove(entry):
                 victims.append(entry)
         # All its files gone, pending + nbytes <= limit fits (checked above).
         if victims:

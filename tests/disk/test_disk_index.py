@@ -103,3 +103,18 @@ def test_a_large_excess_is_dropped_in_slices_oldest_first_and_never_more_than_as
     idx.check_integrity()
     assert idx.reserve(HEADER_BYTES + 100, limit=0) == [] and idx.over  # room made by a later slice
     assert [v.seq for v in idx.shrink(3)] == [7] and not idx.over
+
+
+def test_a_use_keeps_a_file_and_the_least_recently_used_goes_first():
+    """Written a, b, c; then a is used (a load or a lookup hit): room for one more drops b."""
+    idx = DiskIndex(capacity=3 * (HEADER_BYTES + 100))
+    a, b, c = (entry("n", k, seq=k) for k in range(3))
+    for e in (a, b, c):
+        idx.add(e)
+    idx.touch(a)
+    assert idx.reserve(HEADER_BYTES + 100) == [b]
+    idx.release(HEADER_BYTES + 100)
+    idx.add(entry("n", 3, seq=3))
+    idx.touch(c)
+    assert idx.reserve(HEADER_BYTES + 100) == [a]  # used before d was written and c used
+    idx.check_integrity(fitted=True)

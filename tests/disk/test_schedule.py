@@ -1,6 +1,6 @@
 """The disk tier's write scheduling without threads or files: tenants take turns
 in the write backlog, the backlog stays bounded with the longest one paying,
-and a stream of reads cannot hold writes back for good."""
+and reads and writes wait in lanes of their own."""
 
 from __future__ import annotations
 
@@ -104,13 +104,26 @@ class Job:
     next: int = 0
 
 
-def test_reads_go_first_but_a_stream_of_reads_never_starves_writes():
-    q = IOQueues(write_every=4)
+def test_reads_and_writes_wait_in_lanes_of_their_own_and_the_urgent_writer_helps_only_when_asked():
+    q = IOQueues()
     q.push(Job("write"))
     q.push(Job("read"))
-    kinds = [q.take()[0].kind for _ in range(20)]
-    assert kinds[:5] == ["read"] * 4 + ["write"]
-    assert kinds.count("write") == 4  # one item in five while both wait
-    only_writes = IOQueues()
-    only_writes.push(Job("unlink", [0, 1]))
-    assert [only_writes.take()[0].kind for _ in range(2)] == ["unlink", "unlink"] and only_writes.take() is None
+    q.push(Job("unlink", [0, 1]))
+    assert q.take("read")[0].kind == "read"  # a stream of reads never takes a writer's turn
+    assert q.take("write")[0].kind == "write"
+    assert q.take("urgent") is None  # the backlog is not filling: the urgent writer waits
+    q.urgent = True
+    assert q.take("urgent")[0].kind == "write"
+    q.writes.popleft()
+    assert [q.take("write")[0].kind for _ in range(2)] == ["unlink", "unlink"] and q.take("write") is None
+
+
+def test_the_urgent_writer_starts_at_half_the_backlog_bound_and_stops_below_a_quarter():
+    b = WriteBacklog(limit_bytes=8 * 100)
+    ns = Ns("a", 100)
+    b.add("t", ns, [bytes([i]) for i in range(4)])
+    assert not b.urgent(False)  # half: not yet
+    b.add("t", ns, [b"x"])
+    assert b.urgent(False) and b.urgent(True)
+    b.take(100 * 3)
+    assert b.urgent(True) is False  # 2 of 8 left: a quarter
