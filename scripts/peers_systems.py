@@ -151,6 +151,7 @@ class Engine:
 
     def wait_ready(self) -> bool:
         """True when vLLM built the engine; False with ``failed`` = the exception it raised."""
+        seen: list[str] = []  # vLLM logs to stdout: the root cause is there, not in the front end's exception
         for line in self.proc.stdout:
             if line.startswith("READY "):
                 self.ready = json.loads(line[6:])
@@ -158,8 +159,12 @@ class Engine:
             if line.startswith("FAILED "):
                 self.failed = json.loads(line[7:])["error"]
                 break
+            seen.append(line)
         self.proc.wait()
-        self.failed = self.failed or _last_error(self.log)
+        with open(self.log, "a") as f:
+            f.writelines(seen)
+        cause = _last_error(seen)
+        self.failed = f"{cause} ({self.failed})" if cause and cause not in self.failed else self.failed or cause
         return False
 
     def call(self, op: str, **kw) -> dict:
@@ -194,11 +199,16 @@ class Engine:
                 self.proc.wait()
 
 
-def _last_error(log: str) -> str:
-    """The last exception line of an engine's log (vLLM's engine core fails in a child process)."""
-    lines = [x.strip() for x in open(log, errors="replace").read().splitlines()]
-    errs = [x for x in lines if x and ("Error" in x or "Exception" in x) and not x.startswith("Traceback")]
-    return errs[-1][-500:] if errs else "exited with no READY line (see " + log + ")"
+def _last_error(lines: list[str]) -> str:
+    """The first exception an engine's output names (vLLM's engine core fails in a child
+    process, logged with a ``(EngineCore pid=N) ERROR`` prefix; the front end then raises
+    only 'Engine core initialization failed')."""
+    for x in lines:
+        text = x.split("] ", 1)[-1].strip() if "ERROR" in x else x.strip()
+        head = text.split(":", 1)[0]
+        if head.endswith(("Error", "Exception")) and " " not in head:
+            return text[:500]
+    return "exited with no READY line"
 
 
 def rss_mib(pids: list[int]) -> dict:
