@@ -8,6 +8,7 @@ Parts (each in its own module, each given what it needs):
   Dispatcher       the one dispatch point               (dispatch.py)
   RequestHandlers  the dispatch table                  (requests.py)
   Housekeeping     systemd notify, reload, metrics     (housekeeping.py)
+  start-up checks  RAM, pool segment, mirrors, CUDA    (startup.py)
   DiskBridge       optional local disk tier             (kvtier/disk)
   RemoteBridge     optional Redis Cluster tier          (kvtier/remote)
 
@@ -28,22 +29,20 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import signal
 import time
 from collections import Counter
 
 import msgpack
-import psutil
 import torch
 import zmq
 
 from ..disk.setup import open_disk
 from ..pool.allocator import SlabAllocator, fit_warning
 from ..pool.index import BlockIndex
+from ..pool.keys import split_key
 from ..pool.policy import POLICIES
-from ..pool.segment import SHM_DIR, SegmentError, ShmSegment, cleanup_stale, unique_name, unlink_segment
-from ..pool.shm_index import seqlock_safe
+from ..pool.segment import cleanup_stale, unlink_segment
 from ..pool.sizes import format_size
 from ..pool.swap import SwapTable
 from ..protocol.errors import ErrorCode
@@ -56,17 +55,15 @@ from .housekeeping import Housekeeping
 from .guard import ConnectionGuard, fd_headroom, map_headroom
 from .listen import HANDOVER_SUFFIX, Listener, StartupError, UnfitConfig, remove_our_socket, take_socket_lock
 from .lookup_index import STALE_PREFIX as INDEX_PREFIX
-from .lookup_index import LookupIndexes
 from .requests import RequestHandlers
 from .sessions import Sessions
+from .startup import POOL_PREFIX, check_ram, new_pool, start_gpu, start_lookup_indexes
 from .stats import daemon_stats
-from ..pool.keys import split_key
 from .tenancy import cluster_names
 from .warm import WarmPool, discard_kept
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
-POOL_PREFIX = "kvtier-pool."
 CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long for copies to stop
 MAX_EVENTS_PER_MESSAGE = 512  # a flush of 100,000 blocks is 196 messages of ~15 KiB, not one of 3 MiB
 
@@ -88,7 +85,7 @@ class Daemon:
         self.warm = WarmPool(config) if config.warm_restart else None  # warm.py: the pool outlives us
         if self.warm is None:
             discard_kept(config)
-        self._check_ram(config, self.warm.kept_bytes() if self.warm else 0)
+        check_ram(config, self.warm.kept_bytes() if self.warm else 0)
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
         log.info("reserving and prefaulting a %s pool (about a second per GiB) unless one was kept...",
                  format_size(config.pool_size))
@@ -96,7 +93,7 @@ class Daemon:
             self.segment = self.warm.open() if self.warm else None
             if self.segment is None:  # warm_restart off, or its name is held by another user
                 self.warm = None
-                self.segment = _new_pool(config)
+                self.segment = new_pool(config)
         except Exception as exc:
             raise StartupError(str(exc)) from None
         self.pool_name = self.segment.name
@@ -108,9 +105,12 @@ class Daemon:
         self.index.record_events = bool(config.events)
         self.event_seq = 0  # last block-event message number published
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
-        self.lookup_indexes = self._start_lookup_indexes(config)
+        self.lookup_indexes = start_lookup_indexes(config)
         self.index.mirror = self.lookup_indexes
-        self.gpu = self._start_gpu(config)
+        try:
+            self.gpu = start_gpu(self.pool, config)
+        except StartupError as exc:  # gpu = on and CUDA cannot serve
+            self._abort_start(str(exc))
         self.notifier.status(f"binding {config.socket}")
         try:
             fd_headroom(config)
@@ -161,54 +161,6 @@ class Daemon:
         return daemon_stats(self, viewer)
 
     # ---- startup ------------------------------------------------------------------
-    @staticmethod
-    def _check_ram(config: DaemonConfig, kept: int = 0) -> None:
-        avail = psutil.virtual_memory().available + kept  # a kept pool's pages are ours already
-        limit = int(avail * config.ram_fraction)
-        # The lookup mirrors live in /dev/shm next to the pool: their budget counts too.
-        need = config.pool_size + (int(config.pool_size * config.lookup_index_share) if config.lookup_index else 0)
-        if need > limit:
-            raise UnfitConfig(
-                f"pool size {format_size(config.pool_size)} (with lookup mirrors {format_size(need)}) exceeds "
-                f"{config.ram_fraction:.0%} of available RAM ({format_size(avail)}); lower pool_size or "
-                "raise ram_fraction")
-
-    @staticmethod
-    def _start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:
-        if not config.lookup_index:
-            return None
-        if config.disk_path:  # the mirror holds RAM blocks only: its readers would miss every disk hit
-            log.warning("lookup_index is off while the disk tier is on: lookups go over the socket")
-            return None
-        if not seqlock_safe():
-            log.warning("lookup_index is on but this CPU (%s) lacks x86 memory ordering, which the "
-                        "mirror's readers need: lookups go over the socket", platform.machine())
-            return None
-        return LookupIndexes(config.pool_size, int(config.pool_size * config.lookup_index_share))
-
-    def _start_gpu(self, config: DaemonConfig):
-        """The CUDA data path (pins the pool in the background), or None.
-        CUDA code is imported only when a device is visible and gpu != off."""
-        if config.gpu == "off":
-            return None
-        if not torch.cuda.is_available():
-            if config.gpu == "on":
-                self._abort_start("gpu = on but no CUDA device is visible")
-            return None
-        from ..transfer.gpu import GpuContext
-        slab = config.slab_size  # chunks of whole slabs: no block straddles two registrations
-        chunk = max(slab, config.pin_chunk // slab * slab)
-        try:
-            ctx = GpuContext(self.pool, chunk, config.gpu_copy)
-        except Exception as exc:  # a broken driver must not take the CPU tier down with it
-            if config.gpu == "on":
-                self._abort_start(f"gpu = on but CUDA failed to start: {exc}")
-            log.error("CUDA data path disabled: %s", exc)
-            return None
-        log.info("CUDA data path on %d device(s); pinning the pool in %s chunks",
-                 len(ctx.uuids), format_size(chunk))
-        return ctx
-
     def _start_tier(self, open_tier, config: DaemonConfig, *args):
         """The disk tier (disk.setup) or the remote tier (remote.bridge) behind this pool, or None
         when off. It answers some lookups and loads later: through ``send``, or by re-running
@@ -386,21 +338,6 @@ class Daemon:
         if getattr(self, "signals", None) is not None:
             self.signals.close()
         log.info("kvtier-daemon stopped")
-
-
-def _new_pool(config: DaemonConfig) -> ShmSegment:
-    """The pool under a name nobody can guess (a pid-derived one was squatted by another
-    user planting a file there first), created exclusively: a name that is somehow taken
-    is logged and another drawn, never opened and never a failed start."""
-    for _ in range(3):
-        name = unique_name(POOL_PREFIX)
-        try:
-            return ShmSegment(name, config.pool_size, create=True, mode=config.shm_mode)
-        except SegmentError as exc:
-            if not os.path.lexists(SHM_DIR + name):
-                raise  # no room: the caller reports it
-            log.warning("pool name %s is taken (%s): drawing another", name, exc)
-    raise StartupError("three random pool names were all taken in /dev/shm")
 
 
 def _sync_poller(poller: zmq.Poller, polled: set[int], fds: list[int]) -> set[int]:
