@@ -74,7 +74,7 @@ class DaemonConfig:
     remote_queue: int = 256 * 2**20 # write-behind bytes in flight (capped at pool_size / 4)
     remote_timeout_s: float = 0.5   # per remote round trip; then the lookup/load goes on locally
     disk_path: str = ""             # disk tier: a directory of the daemon's user for blocks beyond RAM; "" = off
-    disk_size: int = 0              # bytes the disk tier may fill (required with disk_path); oldest dropped first
+    disk_size: int = 0              # bytes the disk tier may fill (required with disk_path); least recently used dropped first
     disk_threads: int = 4           # I/O threads of the disk tier (BENCHMARKS.md, disk tier)
     disk_timeout_s: float = 1.0     # a load waits this long for disk reads, then goes on without them
     tenants: str = ""               # users who share a cache: "team-a:alice,bob,1003; team-b:carol"
