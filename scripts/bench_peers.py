@@ -192,12 +192,21 @@ class Bench:
             self.batched(r)
             self.load.append(os.getloadavg()[0])
             print(f"  round {r + 1}/{a.rounds} done (load {self.load[-1]:.1f})", flush=True)
+            self.checkpoint()
         self.service_cpu = {s: svc.cpu_s() - cpu0[s] for s, svc in self.services.items()}
         for n in a.long:
             for r in range(a.long_rounds):
                 self.miss_hit(r, n, f"@{n}")
             self.load.append(os.getloadavg()[0])
             print(f"  {n}-token rows done (load {self.load[-1]:.1f})", flush=True)
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """Every timing so far into ``--out`` (a run stopped halfway keeps its rounds)."""
+        if self.args.out:
+            with open(self.args.out, "w") as f:
+                json.dump({"partial": True, "systems": list(self.engines), "skipped": self.skipped,
+                           "load": self.load, "times": self.times}, f, indent=1)
 
     # ---- concurrency -----------------------------------------------------------------
     def concurrent(self, model: str) -> None:
