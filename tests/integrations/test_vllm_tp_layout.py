@@ -260,3 +260,55 @@ def test_a_chunk_cut_in_head_slices_is_announced_once_and_removed_when_any_slice
     ev.missing(okeys[:1])
     (removed,) = ev.take()
     assert removed.keys == [okeys[0]] and ev.take() == []
+
+
+def test_an_mla_chunk_is_no_hit_until_its_one_writer_committed_it_and_then_every_rank_loads_it(daemon_factory):
+    """Replicated KV (MLA at TP=2): the scheduler (as rank 0) looks up chunks
+    whose single replica a rank is still copying (WRITING in the daemon,
+    slow copies here), after the other rank's part of the same store job
+    already came back done. Those chunks are misses, not hits a rank could
+    fail to load; once the writers committed, every chunk is a hit and both
+    ranks load all of them, byte-exact, with no failed load in the daemon."""
+    # Slow copies, one kvtier block per copy chunk: a rank's two blocks commit >= 4 s after it starts.
+    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "2", "KVTIER_COPY_CHUNK_BYTES": "4KiB"})
+    r0, src = worker(d, 2, 0, seed=7, ns=MLA_NS, replicated=True)
+    r1, twin = worker(d, 2, 1, seed=7, ns=MLA_NS, replicated=True)
+    sched = KVTierManager([TierGroup(0, MLA_NS, LAYERS * HEAD_BYTES, slices=plan(2, 0, HEADS, True, True))],
+                          K, d.socket, name="sched")
+    okeys = offload_keys(4, salt=14)
+    keys = [kvtier_key(k) for k in okeys]
+    ids = list(range(K * len(keys)))
+
+    def namespace():
+        (ns,) = d.stats()["namespaces"]
+        return ns
+
+    def hits(req_id):
+        sched.on_schedule_end(None)
+        sched.prefetch(req_id, okeys)
+        return [sched.lookup(k, req(req_id)) == vllm_base.LookupResult.HIT for k in okeys]
+
+    try:
+        mine = [sum(plan(2, r, HEADS, True, True).writes(k) for k in keys) for r in (0, 1)]
+        assert sorted(mine) == [2, 2]  # each rank writes two of the four chunks
+        r0.submit_store(1, gpu_spec(ids), KVTierSpecs(keys))
+        r1.submit_store(1, gpu_spec(ids), KVTierSpecs(keys))
+        while namespace()["writing"] < len(keys):  # both writers' copies are under way
+            pass
+        assert hits("early") == [False] * 4
+        assert namespace()["writing"] == len(keys)  # the lookup was answered before any commit
+        for w in (r0, r1):
+            assert finished(w, {1})[1].success
+        assert hits("late") == [True] * 4
+        for w, dst in ((r0, src), (r1, twin)):
+            for t in dst:
+                t.zero_()
+            assert run(w, 2, True, keys, ids).success
+        for a, b, orig in zip(src, twin, caches(1, seed=7)[1]):
+            assert torch.equal(a[:len(ids)], orig[:len(ids)]) and torch.equal(b[:len(ids)], orig[:len(ids)])
+        ns = namespace()
+        assert (ns["loaded"], ns["load_failed"]) == (2 * len(keys), 0)
+    finally:
+        sched.shutdown()
+        r0.shutdown()
+        r1.shutdown()
