@@ -5,11 +5,13 @@ and sends it several requests in turn. ``LiveEngine(name, model, tmp, tp=..,
 socket=..)`` starts one (a TP=2 engine binds its ranks' OpenMP threads to
 cores 0 and 1); ``wait_ready``, ``generate``, ``metrics``, ``quit``, ``close``.
 ``make_tiny_mla`` writes a random DeepSeek-V2-style MLA checkpoint (latent
-512 + rope 64), which vLLM's CPU build runs.
+512 + rope 64), which vLLM's CPU build runs. ``busy_neighbours()``: one
+spinning process per core while the block runs (CPU contention).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -33,6 +35,22 @@ def make_tiny_mla(path: str, layers: int = 2, seed: int = 0) -> str:
                            torch_dtype="bfloat16")
     DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def busy_neighbours(count: int | None = None):
+    """A neighbour that keeps every core busy (one spinning process per core)
+    while the block runs: the engine's ranks, the daemon and the scheduler
+    get their time slices late, as on a loaded node."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(count or os.cpu_count() or 1)]
+    try:
+        yield spinners
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()
 
 
 class LiveEngine:

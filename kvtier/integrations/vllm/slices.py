@@ -19,7 +19,10 @@ chosen per engine by ``plan``:
 * **Replicated** - ranks hold identical bytes (MLA's latent KV; attention
   with fewer KV heads than ranks): one rank writes each chunk (``writes``:
   rotating by key, so the copies spread over the ranks), every holder loads
-  it. Pool bytes: one copy, not one per rank.
+  it. Pool bytes: one copy, not one per rank. The scheduler's lookup sees
+  the replica only once its writer's copy committed (the daemon keeps a
+  block being written out of lookups), so a hit is loadable by every rank,
+  whichever rank wrote it and however late the other rank's part ran.
 * **Per rank** - anything else (layouts with tokens outside heads, context
   parallelism): each rank its own namespace, as before; nothing is shared
   across TP sizes.
