@@ -25,6 +25,7 @@ from kvtier.integrations.vllm.slices import plan, slice_key  # noqa: E402
 from kvtier.integrations.vllm.worker import KVTierWorker  # noqa: E402
 from tests.integrations.test_vllm_tier_events import offload_keys, req  # noqa: E402
 from tests.integrations.test_vllm_worker import finished, gpu_spec  # noqa: E402
+from tests.daemon.test_reaping import wait_for  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, HEAD_BYTES, K = 2, 16, 2, 1024, 2
 HEADS_NS = Namespace("tp-test", "bfloat16", "vllm-LBHNC", 32, extra="kv=heads/2")
@@ -269,8 +270,9 @@ def test_an_mla_chunk_is_no_hit_until_its_one_writer_committed_it_and_then_every
     already came back done. Those chunks are misses, not hits a rank could
     fail to load; once the writers committed, every chunk is a hit and both
     ranks load all of them, byte-exact, with no failed load in the daemon."""
-    # Slow copies, one kvtier block per copy chunk: a rank's two blocks commit >= 4 s after it starts.
-    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "2", "KVTIER_COPY_CHUNK_BYTES": "4KiB"})
+    # Slow copies, one kvtier block per copy chunk: a rank's two blocks commit >= 10 s after it
+    # starts, so the lookup below comes first even on a loaded CI box (checked after it).
+    d = daemon_factory(env={"KVTIER_COPY_DELAY_S": "5", "KVTIER_COPY_CHUNK_BYTES": "4KiB"})
     r0, src = worker(d, 2, 0, seed=7, ns=MLA_NS, replicated=True)
     r1, twin = worker(d, 2, 1, seed=7, ns=MLA_NS, replicated=True)
     sched = KVTierManager([TierGroup(0, MLA_NS, LAYERS * HEAD_BYTES, slices=plan(2, 0, HEADS, True, True))],
@@ -293,8 +295,7 @@ def test_an_mla_chunk_is_no_hit_until_its_one_writer_committed_it_and_then_every
         assert sorted(mine) == [2, 2]  # each rank writes two of the four chunks
         r0.submit_store(1, gpu_spec(ids), KVTierSpecs(keys))
         r1.submit_store(1, gpu_spec(ids), KVTierSpecs(keys))
-        while namespace()["writing"] < len(keys):  # both writers' copies are under way
-            pass
+        assert wait_for(lambda: namespace()["writing"] == len(keys), 30)  # both writers' copies under way
         assert hits("early") == [False] * 4
         assert namespace()["writing"] == len(keys)  # the lookup was answered before any commit
         for w in (r0, r1):
