@@ -18,7 +18,7 @@ table goes with its namespace (``forget``), so register/close cycles leave
 nothing behind. On CPUs without x86 memory ordering there are no mirrors
 (``seqlock_safe``).
 
-Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket)``, ``.stored(bucket, keys)``,
+Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket, ready_keys)``, ``.stored(bucket, keys)``,
 ``.removed(bucket, key)``, ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``.
 """
 
@@ -44,20 +44,20 @@ class LookupIndexes:
         self.bytes = 0  # /dev/shm bytes of every table
         self.refused = 0  # namespaces that found no room for a table
 
-    def segment_for(self, bucket: Bucket) -> str:
+    def segment_for(self, bucket: Bucket, ready_keys) -> str:
         """The mirror of ``bucket`` (created at its first registration, filled
-        with what is ready), or "" when the budget has no room for one."""
+        with ``ready_keys()``, what is ready), or "" when the budget has no room for one."""
         entry = self._writers.get(bucket.id)
         if entry is None:
             keys = self._fitting_keys(bucket.block_bytes)
             if keys is None:
                 self.refused += 1
                 log.info("no room left for a lookup mirror of %s (lookup_index_share): its clients "
-                         "ask the daemon", bucket.fingerprint[:64])
+                         "ask the daemon", bucket.key[:64])
                 return ""
             # The daemon's pid in the name lets a later daemon remove it if this one is killed.
             w = ShmIndexWriter(segment_name(f"{os.getpid()}.{secrets.token_hex(16)}"), keys)
-            w.add(list(bucket.ready_map))
+            w.add(ready_keys())
             entry = self._writers[bucket.id] = (w, w.segment.size)
             self.bytes += w.segment.size
         return entry[0].name

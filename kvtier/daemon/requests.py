@@ -186,7 +186,7 @@ class RequestHandlers:
         def named(key: str) -> bool:
             tenant, fingerprint = split_key(key)
             return (client.admin or tenant == client.tenant) and (not msg.namespace or fingerprint == msg.namespace)
-        targets = [ns for key, ns in self.index.namespaces.items() if named(key)]
+        targets = self.index.namespaces_matching(named)
         on_disk = [key for key in self.disk.namespace_keys() if named(key)] if self.disk is not None else []
         if msg.namespace and not targets and not on_disk:
             raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"no namespace {msg.namespace[:64]!r}")
@@ -194,7 +194,7 @@ class RequestHandlers:
         if on_disk:
             removed = sum(1 for v in self.disk.flush_keys(on_disk) if not self.index.holds(v.ns_key, v.key))
         everything = not msg.namespace and client.admin
-        self.flushes.start(identity, req_id, list(self.index.namespaces.values()) if everything else targets,
+        self.flushes.start(identity, req_id, self.index.namespaces_matching() if everything else targets,
                            everything, removed, f"client {client.id} (tenant {client.tenant}) flushed "
                            f"{msg.namespace[:64] or '(all)'}")
         return None  # answered by flushes.step once its blocks are freed

@@ -128,7 +128,7 @@ class Sessions:
             raise DaemonError(ErrorCode.UNAUTHORIZED, "only local, kernel-identified clients may register memory")
         swap_quota = cache_quota(msg.swap_quota, config)  # checked before anything is mapped
         key = ns_key(client.tenant, msg.namespace)
-        if key not in self.index.namespaces:
+        if not self.index.has_namespace(key):
             self._namespace_room(client.tenant, key, config.max_namespaces_per_user)
         self._check_mappings(client, config, max(1, len(fds)))
         try:
@@ -164,7 +164,7 @@ class Sessions:
         self.mappings[client.uid] += len(segments)
         log.info("client %d registered cache %d: namespace=%r block=%d bytes x %d blocks",
                  client.id, reg.id, msg.namespace, layout.block_bytes, layout.num_blocks)
-        mirror = self.lookup_indexes.segment_for(ns) if self.lookup_indexes is not None else ""
+        mirror = self.lookup_indexes.segment_for(ns, lambda: self.index.ready_keys(ns)) if self.lookup_indexes is not None else ""
         return m.Registered(reg.id, ns.id, layout.block_bytes, layout.num_blocks, mirror)
 
     @staticmethod
@@ -213,7 +213,7 @@ class Sessions:
         files and directories go); it is refused when the tenant's RAM namespaces alone
         reach the cap, as before."""
         prefix = ns_key(tenant, "")
-        ram = {k for k in self.index.namespaces if k.startswith(prefix)}
+        ram = {ns.key for ns in self.index.namespaces_matching(lambda k: k.startswith(prefix))}
         disk = self.index.lower  # the disk tier, when on (kvtier/disk/bridge.py)
         on_disk = {k for k in disk.namespace_keys() if k.startswith(prefix)} if disk is not None else set()
         if key in on_disk:

@@ -39,12 +39,12 @@ def _client_row(d: StatsSource, c) -> dict:
     """One session and its caches. A quota is bytes, 0 no swap, None no cap;
     the session's ``swap_quota`` is the smallest of its caches' (the
     operator's default before it registers one)."""
-    caches = [{"id": r.id, "namespace": split_key(r.ns.fingerprint)[1], "swap_quota": _quota(r.swap_quota),
+    caches = [{"id": r.id, "namespace": split_key(r.ns.key)[1], "swap_quota": _quota(r.swap_quota),
                "swap_bytes": d.swap.cache_bytes(c.id, r.id)} for r in c.regs.values() if not r.closing]
     quota = min((r.swap_quota for r in c.regs.values() if not r.closing), default=operator_quota(d.config))
     return {"id": c.id, "pid": c.pid, "uid": c.uid, "tenant": c.tenant, "name": c.name,
             "connected_s": round(time.time() - c.connected, 3),
-            "namespaces": sorted({split_key(r.ns.fingerprint)[1] for r in c.regs.values()}),
+            "namespaces": sorted({split_key(r.ns.key)[1] for r in c.regs.values()}),
             "inflight": len(c.ops), "swap_bytes": d.swap.owner_bytes(c.id),
             "swap_quota": _quota(quota), "swap_requests": d.swap.owner_requests(c.id), "caches": caches}
 
@@ -61,14 +61,14 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
     None is the operator (metrics, status notifications), who sees all."""
     everything = viewer is None or viewer.admin
     namespaces = []
-    for key, ns in d.index.namespaces.items():
-        tenant, fingerprint = split_key(key)
+    for ns in d.index.namespaces_matching():
+        tenant, fingerprint = split_key(ns.key)
         if not everything and tenant != viewer.tenant:
             continue
         blocks = ns.ready_blocks()
         row = {"id": ns.id, "fingerprint": fingerprint, "block_bytes": ns.block_bytes,
                "blocks": blocks, "bytes": blocks * ns.block_bytes,
-               "writing": len(ns.entries) - blocks}
+               "writing": ns.writing_blocks()}
         row.update({k: ns.stats[k] for k in STAT_KEYS})
         if everything:
             row["tenant"] = tenant

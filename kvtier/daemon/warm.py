@@ -186,10 +186,10 @@ class WarmPool:
         ns = plan.ns
         for e in plan.entries:
             if e is not None and is_ready(e) and e.offset in crc_of:
-                self.journal.commit(ns.fingerprint, ns.block_bytes, e.key, e.offset, crc_of[e.offset])
+                self.journal.commit(ns.key, ns.block_bytes, e.key, e.offset, crc_of[e.offset])
 
     def removed(self, e) -> None:
-        self.journal.remove(e.offset, e.ns.fingerprint)
+        self.journal.remove(e.offset, e.ns.key)
         self.unverified.pop(e.offset, None)
 
     def to_verify(self, op) -> list[tuple[int, int, int]]:

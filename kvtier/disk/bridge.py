@@ -36,7 +36,6 @@ import time
 from collections import Counter
 from itertools import islice
 
-from ..pool.index import READY
 from ..pool.keys import owner_of, split_key
 from .format import HEADER_BYTES, MAX_NS_KEY
 from .index import DiskEntry, DiskIndex
@@ -79,15 +78,15 @@ class DiskBridge:
 
     # ---- lookups (BlockIndex's lower tier) ------------------------------------------------
     def extend(self, ns, keys: list, hits: int) -> int:
-        on_disk = self.dindex.namespaces.get(ns.fingerprint)
+        on_disk = self.dindex.entries_of(ns.key)
         if on_disk is None:
             return hits
-        ready, n, touch = ns.ready_map, hits, self.dindex.touch
+        ready, n, touch = self.index.ready_entry, hits, self.dindex.touch
         for k in islice(keys, hits, None):
             e = on_disk.get(k)
             if e is not None:
                 touch(e)  # a disk hit is a use: the disk drops least recently used files first
-            elif k not in ready:
+            elif ready(ns, k) is None:
                 break
             n += 1
         if n > hits:
@@ -95,7 +94,7 @@ class DiskBridge:
         return n
 
     def flushed(self, ns) -> None:
-        self.flush_keys(None if ns is None else [ns.fingerprint])
+        self.flush_keys(None if ns is None else [ns.key])
 
     def flush_keys(self, keys: list[str] | None) -> list:
         """Drop these namespaces' blocks (None: all), also those with no bucket in RAM (found
@@ -112,14 +111,15 @@ class DiskBridge:
 
     def namespace_keys(self) -> list[str]:
         """Namespaces with blocks on disk (tenant SEP fingerprint), in RAM or not."""
-        return list(self.dindex.namespaces)
+        return self.dindex.namespace_keys()
 
     # ---- write-behind ------------------------------------------------------------------------
     def committed(self, plan) -> None:
         ns = plan.ns
-        key = ns.fingerprint
-        on_disk = self.dindex.namespaces.get(key, {})
-        keys = [e.key for e in plan.entries if e is not None and e.state == READY and ns.entries.get(e.key) is e
+        key = ns.key
+        on_disk = self.dindex.entries_of(key) or {}
+        is_ready = self.index.is_ready
+        keys = [e.key for e in plan.entries if e is not None and is_ready(e)
                 and e.key not in on_disk and (key, e.key) not in self.writing]
         if not keys:
             return
@@ -139,12 +139,12 @@ class DiskBridge:
             if turn is None:
                 return
             tenant, ns, keys = turn
-            key, size = ns.fingerprint, ns.block_bytes
-            on_disk = self.dindex.namespaces.get(key, {})
+            key, size = ns.key, ns.block_bytes
+            on_disk = self.dindex.entries_of(key) or {}
             entries = []
             for k in keys:
-                e = ns.entries.get(k)
-                if e is None or e.state != READY:  # evicted before its turn
+                e = self.index.ready_entry(ns, k)
+                if e is None:  # evicted (or flushed) before its turn
                     self.backlog.lost(tenant, "evicted")
                 elif k not in on_disk and (key, k) not in self.writing:
                     entries.append(e)
@@ -210,7 +210,7 @@ class DiskBridge:
     def emptied(self, ns_keys) -> list[str]:
         """Namespaces with nothing left on disk and nothing in flight: their directories go
         once the unlinks queued with them are done (cycling namespaces leaves no directory)."""
-        return [k for k in ns_keys if k not in self.dindex.namespaces and not self.in_flight[k]]
+        return [k for k in ns_keys if not self.dindex.has_namespace(k) and not self.in_flight[k]]
 
     def landed(self, key: str, n: int) -> None:
         """``n`` blocks of ``key`` written or read: a namespace with none left in flight is forgotten."""
@@ -226,7 +226,7 @@ class DiskBridge:
 
     def oldest_first(self, ns_keys) -> list[str]:
         """Namespaces on disk, the one written or read least recently first."""
-        return sorted((k for k in ns_keys if k in self.dindex.namespaces), key=self.dindex.ns_newest.__getitem__)
+        return sorted(filter(self.dindex.has_namespace, ns_keys), key=self.dindex.ns_newest.__getitem__)
 
     # ---- completions -------------------------------------------------------------------------
     def poll(self) -> None:

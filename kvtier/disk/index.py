@@ -77,6 +77,12 @@ class DiskIndex:
     def entries_of(self, ns_key: str) -> dict | None:
         return self.namespaces.get(ns_key)
 
+    def has_namespace(self, ns_key: str) -> bool:
+        return ns_key in self.namespaces
+
+    def namespace_keys(self) -> list[str]:
+        return list(self.namespaces)
+
     def __len__(self) -> int:
         return self.count
 

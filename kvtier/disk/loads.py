@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from ..pool.index import READY
 from ..protocol import messages as m
 from ..protocol.arrays import pack_ids
 from ..protocol.codec import encode
@@ -52,11 +51,11 @@ class DiskLoads:
         """``uid``: the requesting user, whose transfer cap a waiting load counts toward."""
         if (identity, req_id) in self.local_only:
             return False
-        fp = ns.fingerprint
-        on_disk = self.tier.dindex.namespaces.get(fp)
+        fp = ns.key
+        on_disk = self.tier.dindex.entries_of(fp)
         if on_disk is None:
             return False
-        entries, ready, reading = ns.entries, ns.ready_map, self.reading
+        index, reading = self.tier.index, self.reading
         wanted, waits = [], set()  # to read; reads in flight for other loads that this one waits for
         for k in (keys if msg.prefix else dict.fromkeys(keys)):
             job = reading.get((fp, k))
@@ -68,9 +67,9 @@ class DiskLoads:
                     break
             elif job is not None:
                 waits.add(job)
-            elif k in on_disk and k not in entries:
+            elif k in on_disk and not index.holds(fp, k):
                 wanted.append(k)
-            elif msg.prefix and k not in ready:
+            elif msg.prefix and index.ready_entry(ns, k) is None:
                 break  # only the chain's prefix is wanted: read the disk blocks in it
         if not wanted and not waits:
             return False
@@ -79,7 +78,7 @@ class DiskLoads:
             wanted = []
             if not waits:
                 return False
-        present = [e for e in map(entries.get, keys) if e is not None and e.state == READY]
+        present = index.ready_entries(ns, keys)
         # Held so that room made for the blocks read is not taken from this very chain.
         self.tier.index.pin(present)
         if wanted:
@@ -109,11 +108,11 @@ class DiskLoads:
             self.tier.counters["no_room"] += len(wanted)
             return None
         items = [(on_disk[plan.entries[i].key], plan.entries[i].offset) for i in got]
-        job = self.tier.io.read(items, ns.block_bytes, (plan, got, self.tier.generation[ns.fingerprint]),
+        job = self.tier.io.read(items, ns.block_bytes, (plan, got, self.tier.generation[ns.key]),
                            time.monotonic() + self.tier.timeout_s)
         self.waiting_for[job] = []
-        self.tier.in_flight[ns.fingerprint] += len(got)
-        self.reading.update(((ns.fingerprint, plan.entries[i].key), job) for i in got)
+        self.tier.in_flight[ns.key] += len(got)
+        self.reading.update(((ns.key, plan.entries[i].key), job) for i in got)
         return job
 
     def cancel(self, identity: bytes, req_id: int) -> bool:
@@ -148,14 +147,14 @@ class DiskLoads:
         that waited for nothing else."""
         plan, got, gen = job.token
         failed = set(job.failed)
-        stale = gen != self.tier.generation[plan.ns.fingerprint]
-        self.tier.landed(plan.ns.fingerprint, len(got))
+        stale = gen != self.tier.generation[plan.ns.key]
+        self.tier.landed(plan.ns.key, len(got))
         if stale:  # flushed while being read: commit nothing
             failed = set(range(len(got)))
             job.ok = []
         self.tier.index.complete_store(plan, failed=[got[j] for j in failed])
         for i in got:
-            self.reading.pop((plan.ns.fingerprint, plan.entries[i].key), None)
+            self.reading.pop((plan.ns.key, plan.entries[i].key), None)
         good = [(plan.entries[got[j]].offset, crc) for j, crc in job.ok]
         if self.tier.crcs is not None:
             self.tier.crcs.update(good)
@@ -168,7 +167,7 @@ class DiskLoads:
             if self.tier.dindex.remove(e):  # not yet dropped for room or flushed: announce it
                 self.tier.index.record("disk_removed", e.ns_key, e.key)
         # Each write's own file (its seq is in the name); its directory too if nothing is left.
-        self.tier.io.unlink([e.path for e in bad], self.tier.emptied([plan.ns.fingerprint]))
+        self.tier.io.unlink([e.path for e in bad], self.tier.emptied([plan.ns.key]))
         waiting = self.waiting_for.pop(job)
         self.tier.counters.update(loaded=len(job.ok), load_failed=len(failed),
                              late=len(job.ok) if job.expired else 0)

@@ -74,7 +74,7 @@ class WriteBacklog:
 
     def add(self, tenant: str, ns, keys: list[bytes]) -> None:
         """``keys`` of ``ns`` (committed, not yet on disk) join the tenant's backlog."""
-        fp, size = ns.fingerprint, ns.block_bytes
+        fp, size = ns.key, ns.block_bytes
         q = self.tenants.get(tenant)
         if q is None:
             q = self.tenants[tenant] = deque()
@@ -109,15 +109,15 @@ class WriteBacklog:
         return tenant, ns, keys
 
     def namespaces(self) -> list[str]:
-        return list({ns.fingerprint for q in self.tenants.values() for ns, _ in q})
+        return list({ns.key for q in self.tenants.values() for ns, _ in q})
 
     def forget(self, ns_key: str) -> int:
         """A flush: its blocks are gone from every tier, by policy (not counted as lost)."""
         n = 0
         for tenant in list(self.tenants):
             q = self.tenants[tenant]
-            keep = deque(item for item in q if item[0].fingerprint != ns_key)
-            gone = [item for item in q if item[0].fingerprint == ns_key]
+            keep = deque(item for item in q if item[0].key != ns_key)
+            gone = [item for item in q if item[0].key == ns_key]
             for ns, k in gone:
                 self._taken(tenant, ns, [k])
             n += len(gone)
@@ -150,7 +150,7 @@ class WriteBacklog:
         self.lost(tenant, "backlog_full")
 
     def _taken(self, tenant: str, ns, keys: list) -> None:
-        fp, size = ns.fingerprint, ns.block_bytes
+        fp, size = ns.key, ns.block_bytes
         self.items.difference_update((fp, k) for k in keys)
         self.bytes_of[tenant] -= size * len(keys)
         self.nbytes -= size * len(keys)
@@ -158,7 +158,7 @@ class WriteBacklog:
             del self.bytes_of[tenant]
 
     def problems(self) -> list[str]:
-        named = [(ns.fingerprint, k) for q in self.tenants.values() for ns, k in q]
+        named = [(ns.key, k) for q in self.tenants.values() for ns, k in q]
         out = []
         if len(named) != len(self.items) or set(named) != self.items:
             out.append("write backlog: queued items and their set disagree")

@@ -2,14 +2,18 @@
 
 An entry is keyed by (namespace, block hash). A namespace is the identity under
 which blocks are shared (model, dtype, layout, block size, TP rank/size), given
-by the client as a fingerprint string.
+by the client as a fingerprint string and keyed here by ``tenant SEP fingerprint``
+(``keys.ns_key``). The index owns its buckets, entries, policy and allocator:
+outer layers use the verbs below, never its dicts.
 
 Entry life: prepare_store -> WRITING (invisible to lookups, not evictable) ->
 complete_store -> READY (in the eviction policy) or freed on failure. A READY
 entry with pins > 0 is being loaded and is never evicted.
 
 Primitives (scheduler-style, no I/O):
-  namespace(fingerprint, block_bytes) -> Bucket
+  BlockIndex(allocator, policy, share, events=, mirror=, journal=)  its listeners, given once
+  attach_lower(tier)                       the disk tier (built over this index): .extend / .flushed
+  namespace(key, block_bytes) -> Bucket    has_namespace(key), namespaces_matching(pred) -> [Bucket]
   lookup(ns, keys) -> int                  longest READY prefix, refreshes LRU
   prepare_store(ns, keys) -> StorePlan     dedups; pool full is a value
   complete_store(plan, failed=())
@@ -20,7 +24,8 @@ Primitives (scheduler-style, no I/O):
   alloc(cls) / free(offset)
   adopt(ns, [(key, offset)], enter) -> [Entry | None]  warm restart: READY entries at kept offsets
   enter_in_order(entries)                  adopted entries into the policy, oldest first
-  is_ready(e), holds(key, block), ready_entries(ns, keys), forget_empty(keep) -> [Bucket]
+  is_ready(e), holds(key, block), ready_entry(ns, key), ready_entries(ns, keys), ready_keys(ns)
+  forget_empty(keep) -> [Bucket]
   capacity() -> dict                       pool and per-class occupancy (status)
   flush(ns=None) -> int                    all at once (tests, tools); the daemon spreads it:
   drains: Drains                           start(buckets) hides at once, step(n) frees (pool/drain.py)
@@ -31,10 +36,10 @@ Primitives (scheduler-style, no I/O):
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from typing import Callable
 
 from . import integrity, reclaim
+from .bucket import Bucket, LoadPlan, StorePlan
 from .entry import READY, Entry, is_ready
 from .allocator import IntegrityError, SlabAllocator
 from .drain import Drains
@@ -48,46 +53,12 @@ STAT_KEYS = ("lookups", "hits", "disk_hits", "misses", "stored", "store_skipped"
              "loaded", "load_failed", "evicted")
 
 
-@dataclass(eq=False)
-class Bucket:
-    """The index's entries for one namespace fingerprint (one block size).
-    Not to be confused with ``kvtier.client.Namespace``, which describes an
-    engine's identity and produces the fingerprint."""
-    id: int
-    fingerprint: str
-    block_bytes: int
-    cls: int
-    entries: dict = field(default_factory=dict)
-    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries only (lookups)
-    stats: Counter = field(default_factory=Counter)
-    ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
-    owner: str = ""          # tenant whose share its blocks count against (keys.owner_of)
-    hidden: list = field(default_factory=list)  # ready maps a flush detached, still draining (drain.py)
-
-    def ready_blocks(self) -> int:
-        return self.ready
-
-
-@dataclass(eq=False)
-class StorePlan:
-    ns: Bucket
-    entries: list            # Entry to write, or None (skipped / no space), per key
-    skipped: list[int]       # indices already present or being written
-    no_space: list[int]      # indices that found no room
-    abandoned: bool = False  # owner died: commit nothing
-    done: bool = False       # completed: a second completion is a caller bug
-
-
-@dataclass(eq=False)
-class LoadPlan:
-    ns: Bucket
-    entries: list            # pinned Entry per key, or None when missing
-    missing: list[int]
-    done: bool = False       # completed: a second completion would steal others' pins
-
-
 class BlockIndex:
-    def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy | None = None, share: float = 1.0):
+    def __init__(self, allocator: SlabAllocator, policy: EvictionPolicy | None = None, share: float = 1.0, *,
+                 events: bool = False, mirror=None, journal=None):
+        """``events``: keep block events for ``take_events``. ``mirror``: .stored(bucket, keys) /
+        .removed(bucket, key) as READY changes (the lookup mirrors). ``journal``: .removed(entry)
+        before a READY entry's slot is freed (warm restart)."""
         self.alloc_ = allocator
         self.tenants = TenantShares(allocator, share, policy if policy is not None else LRUPolicy())
         self.policy = self.tenants.policy  # with share < 1 it also keeps each tenant's own order
@@ -97,30 +68,43 @@ class BlockIndex:
         self.pinned_offsets: set[int] = set()  # offsets held outside the policy (swap)
         self.evictions = 0
         self.slab_walk_limit = reclaim.SLAB_WALK_LIMIT
-        self.record_events = False
-        self.mirror = None  # optional: .stored(bucket, keys) / .removed(bucket, key) as READY changes
-        self.journal = None  # optional: .removed(entry) before a READY entry's slot is freed (warm restart)
-        self.lower = None  # optional tier below: .extend(ns, keys, hits) -> hits, .flushed(ns | None) (disk)
+        self.record_events, self.mirror, self.journal = events, mirror, journal
+        self.lower = None  # the tier below, once attached: .extend(ns, keys, hits) -> hits, .flushed(ns | None)
         self._events: list[tuple[str, str, bytes]] = []
         self.drains = Drains(self)
 
+    def attach_lower(self, tier) -> None:
+        """The disk tier is built over this index (it pins, stores and reads entries), so it
+        comes after it: its blocks extend lookups and a flush reaches it. Once, at start."""
+        if self.lower is not None:
+            raise IntegrityError("a lower tier is attached already")
+        self.lower = tier
+
     # ---- namespaces ----------------------------------------------------------
-    def namespace(self, fingerprint: str, block_bytes: int) -> Bucket:
-        ns = self.namespaces.get(fingerprint)
+    def namespace(self, key: str, block_bytes: int) -> Bucket:
+        """The bucket of namespace ``key`` (tenant SEP fingerprint), made at its first use."""
+        ns = self.namespaces.get(key)
         if ns is None and len(self.namespaces) >= MAX_NAMESPACES:
             # Empty namespaces nobody uses are forgotten (forget_empty, by the daemon's reaper);
             # the cap keeps a client minting fingerprints from growing the daemon meanwhile.
             raise ValueError(f"too many namespaces ({MAX_NAMESPACES}); flush or restart the daemon")
         if ns is None:
             # Shares on: the tenant's own class, so its slabs hold its blocks only.
-            cls = self.alloc_.add_class(block_bytes, self.tenants.class_owner(owner_of(fingerprint)))
+            cls = self.alloc_.add_class(block_bytes, self.tenants.class_owner(owner_of(key)))
             self._next_ns += 1  # never reused, even after an empty namespace is forgotten
-            ns = Bucket(self._next_ns, fingerprint, block_bytes, cls, owner=owner_of(fingerprint))
-            self.namespaces[fingerprint] = ns
+            ns = Bucket(self._next_ns, key, block_bytes, cls, owner=owner_of(key))
+            self.namespaces[key] = ns
         elif ns.block_bytes != block_bytes:
-            raise ValueError(f"namespace {fingerprint!r} has {ns.block_bytes}-byte blocks, "
+            raise ValueError(f"namespace {key!r} has {ns.block_bytes}-byte blocks, "
                              f"registration has {block_bytes}: fingerprint must include the layout")
         return ns
+
+    def has_namespace(self, key: str) -> bool:
+        return key in self.namespaces
+
+    def namespaces_matching(self, pred: Callable[[str], bool] | None = None) -> list[Bucket]:
+        """The buckets whose key ``pred`` accepts (None: all), in creation order."""
+        return [ns for k, ns in self.namespaces.items() if pred is None or pred(k)]
 
     # ---- lookup / store / load -------------------------------------------------
     def lookup(self, ns: Bucket, keys: list[bytes]) -> int:
@@ -185,7 +169,7 @@ class BlockIndex:
         plan.ns.ready_map.update((e.key, e) for e in committed)
         self.policy.insert_chain(committed)  # head of the chain ends most recent
         if self.record_events:
-            self._events.extend(("stored", plan.ns.fingerprint, e.key) for e in committed)
+            self._events.extend(("stored", plan.ns.key, e.key) for e in committed)
         if self.mirror is not None and committed:
             self.mirror.stored(plan.ns, [e.key for e in committed])
         plan.ns.stats.update(stored=len(committed), store_failed=len(plan.entries) - len(committed)
@@ -268,6 +252,13 @@ class BlockIndex:
         ns = self.namespaces.get(key)
         return ns is not None and block in ns.entries
 
+    def ready_entry(self, ns: Bucket, key: bytes) -> Entry | None:
+        """The READY entry of ``key`` that lookups see (None: absent, being written, or hidden by a flush)."""
+        return ns.ready_map.get(key)
+
+    def ready_keys(self, ns: Bucket) -> list[bytes]:
+        return list(ns.ready_map)
+
     def ready_entries(self, ns: Bucket, keys: list[bytes]) -> list[Entry]:
         """The READY entries among ``keys`` (in their order; missing ones left out)."""
         return [e for e in map(ns.ready_map.get, keys) if e is not None]
@@ -347,9 +338,9 @@ class BlockIndex:
             victims.append(e)
         return victims
 
-    def record(self, kind: str, fingerprint: str, key: bytes) -> None:
+    def record(self, kind: str, ns_key: str, key: bytes) -> None:
         if self.record_events:  # a tier below announces its blocks in the same stream
-            self._events.append((kind, fingerprint, key))
+            self._events.append((kind, ns_key, key))
 
     def take_events(self) -> list[tuple[str, str, bytes]]:
         events, self._events = self._events, []
@@ -357,7 +348,7 @@ class BlockIndex:
 
     def _drop(self, e: Entry, removed: bool = False) -> None:
         if removed and self.record_events:  # only READY blocks were ever announced
-            self._events.append(("removed", e.ns.fingerprint, e.key))
+            self._events.append(("removed", e.ns.key, e.key))
         self.policy.remove(e)
         if e.state == READY:
             if self.journal is not None:  # its record goes before its slot can be written again

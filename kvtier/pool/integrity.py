@@ -40,15 +40,15 @@ def check(index) -> None:
         problems.append("negative pin count")
     for n in index.namespaces.values():
         if any(e.ns is not n or e.offset not in index.by_offset for e in n.entries.values()):
-            problems.append(f"namespace {n.fingerprint}: entry links broken")
+            problems.append(f"namespace {n.key}: entry links broken")
         if n.ready != sum(e.state == READY for e in n.entries.values()):
-            problems.append(f"namespace {n.fingerprint}: ready count {n.ready} is wrong")
+            problems.append(f"namespace {n.key}: ready count {n.ready} is wrong")
         visible = dict(n.ready_map)  # with the maps a flush hid: every READY entry exactly once
         for hidden in n.hidden:
             visible.update(hidden)
         if visible != {k: e for k, e in n.entries.items() if e.state == READY} or \
                 len(visible) != len(n.ready_map) + sum(map(len, n.hidden)):
-            problems.append(f"namespace {n.fingerprint}: ready map disagrees with the entries")
+            problems.append(f"namespace {n.key}: ready map disagrees with the entries")
     problems += index.tenants.problems(index)
     if problems:
         raise IntegrityError(f"{problems}; counters={c}")

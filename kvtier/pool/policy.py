@@ -2,6 +2,11 @@
 
 A policy only orders entries; the index decides which candidates are actually
 evictable (unpinned, not being written). Swap entries never enter a policy.
+``EvictionPolicy`` is the whole seam: the index (and its per-tenant split,
+shares.SplitPolicy) calls these methods and nothing else, and nothing outside
+kvtier/pool touches a policy. A second policy implements it, takes no
+constructor arguments (the split makes one per tenant) and is named in
+``POLICIES`` (config ``policy``); the index does not change.
 
 Primitives: ``insert(entry)``, ``touch(entry)``, ``touch_chain(entries)``
 and ``insert_chain(entries)`` (head first; the head ends most recent), ``remove(entry)``, ``candidates()``
@@ -10,24 +15,41 @@ and ``insert_chain(entries)`` (head first; the head ends most recent), ``remove(
 
 from __future__ import annotations
 
-from typing import Hashable, Iterator, Protocol
+from abc import ABC, abstractmethod
+from typing import Hashable, Iterator
 
 import numpy as np
 
 CACHE_MIN = 4096  # oldest entries cached per rebuild, at the least
 
 
-class EvictionPolicy(Protocol):
+class EvictionPolicy(ABC):
+    """Orders READY entries for eviction; ``candidates()`` is lazy and callers stop
+    iterating before they change anything. A subclass missing a method cannot be built."""
+
+    @abstractmethod
     def insert(self, entry: Hashable) -> None: ...
+
+    @abstractmethod
     def touch(self, entry: Hashable) -> None: ...
+
+    @abstractmethod
     def touch_chain(self, entries: list) -> None: ...
+
+    @abstractmethod
     def insert_chain(self, entries: list) -> None: ...
+
+    @abstractmethod
     def remove(self, entry: Hashable) -> None: ...
+
+    @abstractmethod
     def candidates(self) -> Iterator[Hashable]: ...
+
+    @abstractmethod
     def __len__(self) -> int: ...
 
 
-class LRUPolicy:
+class LRUPolicy(EvictionPolicy):
     """Least recently used first, by epoch stamps.
 
     Every insert or touch gives the entry the next stamp of a clock; a chain

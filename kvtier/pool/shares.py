@@ -55,12 +55,13 @@ from typing import Callable, Hashable, Iterator
 
 from . import reclaim
 from .allocator import SlabAllocator
+from .policy import EvictionPolicy
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0  # one "at its share" line per tenant per minute: a flood logs once
 
 
-class SplitPolicy:
+class SplitPolicy(EvictionPolicy):
     """The global eviction order plus one per tenant (same kind), kept together, so
     a tenant at its share finds its own oldest blocks without walking everyone's.
     Every chain the index passes is one namespace's, so one tenant's."""

@@ -83,9 +83,9 @@ class RemoteBridge:
                 "not_written": b.not_written(tenant)}
 
     def _name(self, ns) -> str | None:
-        name = self.cluster_name(ns.fingerprint)
+        name = self.cluster_name(ns.key)
         if name is None:
-            tenant = split_key(ns.fingerprint)[0]
+            tenant = split_key(ns.key)[0]
             if tenant not in self.unnamed:
                 self.unnamed.add(tenant)
                 log.info("tenant %s is not named in config tenants: its blocks stay on this node", tenant)
@@ -102,7 +102,7 @@ class RemoteBridge:
         entries = [e for e in plan.entries if e is not None and self.index.is_ready(e)]
         if not entries or self._name(plan.ns) is None:
             return
-        tenant = owner_of(plan.ns.fingerprint)
+        tenant = owner_of(plan.ns.key)
         if plan.ns.block_bytes > self.tier.settings.queue_bytes:  # would wait for room forever
             self.backlog.lost(tenant, "too_large", len(entries))
             return
@@ -160,7 +160,7 @@ class RemoteBridge:
         name = self._name(ns)
         if name is None:
             return False
-        missing = [k for k in dict.fromkeys(keys) if not self.index.holds(ns.fingerprint, k)]
+        missing = [k for k in dict.fromkeys(keys) if not self.index.holds(ns.key, k)]
         if not missing:
             return False
         present = self.index.ready_entries(ns, keys)

@@ -17,7 +17,7 @@ BLOCK = 1000
 
 @dataclass(eq=False)
 class Ns:
-    fingerprint: str
+    key: str
     block_bytes: int = BLOCK
 
 
@@ -66,7 +66,7 @@ def test_a_block_named_twice_waits_once_and_a_flush_forgets_without_counting_a_l
     b.add("t", ns, keys(1, 8))
     b.add("t", other, keys(2, 4))
     assert b.blocks == 12
-    assert b.forget(ns.fingerprint) == 8
+    assert b.forget(ns.key) == 8
     assert b.blocks == 4 and b.not_written() == {} and b.problems() == []
 
 
@@ -76,7 +76,7 @@ def test_a_turn_waits_for_room_and_never_mixes_namespaces():
     b.add("t", Ns(f"t{SEP}b", 4 * BLOCK), keys(2, 3))
     assert b.take(BLOCK - 1) is None  # no room for one block: nothing overtakes it
     tenant, ns, got = b.take(10 * BLOCK)
-    assert ns.fingerprint == f"t{SEP}a" and len(got) == 3
+    assert ns.key == f"t{SEP}a" and len(got) == 3
     tenant, ns, got = b.take(9 * BLOCK)  # room for two of the larger blocks
     assert ns.block_bytes == 4 * BLOCK and len(got) == 2
 
@@ -90,7 +90,7 @@ def test_any_sequence_of_adds_keeps_the_bound_and_every_block_is_written_or_coun
     for tenant, nsi, n in adds:
         ns = Ns(f"{tenant}{SEP}{nsi}")
         b.add(tenant, ns, keys(nsi, n))
-        named.update((ns.fingerprint, k) for k in keys(nsi, n))
+        named.update((ns.key, k) for k in keys(nsi, n))
         assert b.nbytes <= limit * BLOCK and b.problems() == []
     taken = sum(n for _, n in drain(b))
     lost = sum(n for whys in b.not_written().values() for n in whys.values())

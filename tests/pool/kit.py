@@ -21,9 +21,7 @@ def chain(tag: str, n: int, start: int = 0) -> list[bytes]:
 
 
 def make_index(slabs: int = 4, events: bool = False, policy=None) -> BlockIndex:
-    idx = BlockIndex(SlabAllocator(slabs * SLAB, SLAB), policy)
-    idx.record_events = events
-    return idx
+    return BlockIndex(SlabAllocator(slabs * SLAB, SLAB), policy, events=events)
 
 
 def stored(idx: BlockIndex, ns, keys: list[bytes], failed=()) -> int:

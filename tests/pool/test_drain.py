@@ -13,9 +13,7 @@ BLOCK = 1024
 
 
 def big_index(slabs: int = 64) -> BlockIndex:
-    idx = BlockIndex(SlabAllocator(slabs * SLAB, SLAB))
-    idx.record_events = True
-    return idx
+    return BlockIndex(SlabAllocator(slabs * SLAB, SLAB), events=True)
 
 
 def test_a_flush_hides_every_block_at_once_and_frees_them_over_steps():

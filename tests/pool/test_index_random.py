@@ -24,7 +24,7 @@ class Workload:
         self.rng = random.Random(seed)
         self.idx = make_index(slabs=6, events=True)  # 24 A-blocks or 12 B-blocks
         self.nss = [self.idx.namespace("model-a", BLOCK_A), self.idx.namespace("model-b", BLOCK_B)]
-        self.ready = {ns.fingerprint: set() for ns in self.nss}
+        self.ready = {ns.key: set() for ns in self.nss}
         self.stores, self.loads = [], []
         self.tally = Counter()
 
@@ -55,7 +55,7 @@ class Workload:
         elif op == "lookup":
             keys = self.random_chain()
             expect = 0
-            while expect < len(keys) and keys[expect] in self.ready[ns.fingerprint]:
+            while expect < len(keys) and keys[expect] in self.ready[ns.key]:
                 expect += 1
             assert idx.lookup(ns, keys) == expect
         elif op == "flush":
@@ -85,9 +85,9 @@ class Workload:
         idx.check_integrity()
         self.apply_events()
         for ns in self.nss:
-            assert self.ready[ns.fingerprint] == {k for k, e in ns.entries.items() if e.state == READY}
-            assert ns.ready_blocks() == len(self.ready[ns.fingerprint])  # kept as a counter
-            assert ns.stats["stored"] == self.tally["stored", ns.fingerprint]
+            assert self.ready[ns.key] == {k for k, e in ns.entries.items() if e.state == READY}
+            assert ns.ready_blocks() == len(self.ready[ns.key])  # kept as a counter
+            assert ns.stats["stored"] == self.tally["stored", ns.key]
         # Every open plan still owns what it holds: pinned blocks are READY and
         # were not evicted or flushed; in-flight blocks are still WRITING.
         pins = Counter(id(e) for p in self.loads for e in p.entries if e is not None)

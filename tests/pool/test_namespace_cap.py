@@ -12,4 +12,4 @@ def test_namespace_cap():
         ix.namespace(f"model-{i}", 4096)
     with pytest.raises(ValueError, match="too many namespaces"):
         ix.namespace("one-more", 4096)
-    assert ix.namespace("model-7", 4096).fingerprint == "model-7"  # existing ones still resolve
+    assert ix.namespace("model-7", 4096).key == "model-7"  # existing ones still resolve

@@ -60,7 +60,7 @@ class Tenants:
     def victim_kept(self) -> int:
         """The victim's blocks a restart would adopt (the journal's own scan)."""
         kept, _ = self.warm.journal.scan()
-        return sum(k.ns_key == self.victim.fingerprint for k in kept)
+        return sum(k.ns_key == self.victim.key for k in kept)
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["store", "store", "hold", "finish", "offload", "restore",

@@ -1,0 +1,58 @@
+"""The index's values: one namespace's entries (``Bucket``) and the plans its
+two-phase verbs hand out (``StorePlan``, ``LoadPlan``).
+
+They live here so the index module holds the verbs only; callers read a
+plan's ``entries`` (what they asked for, in order) and a bucket's ``key``,
+``id``, ``block_bytes`` and ``stats``. Everything else in a bucket is the
+index's state: outer layers ask the index (``ready_entry``, ``ready_keys``,
+``holds``...) instead of reading it.
+
+Primitives: ``Bucket`` (``ready_blocks()``, ``writing_blocks()``), ``StorePlan``, ``LoadPlan``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Bucket:
+    """The index's entries for one namespace key (tenant SEP fingerprint, one block size).
+    Not to be confused with ``kvtier.client.Namespace``, which describes an
+    engine's identity and produces the fingerprint."""
+    id: int
+    key: str                 # keys.ns_key(tenant, fingerprint)
+    block_bytes: int
+    cls: int
+    entries: dict = field(default_factory=dict)
+    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries only (lookups)
+    stats: Counter = field(default_factory=Counter)
+    ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
+    owner: str = ""          # tenant whose share its blocks count against (keys.owner_of)
+    hidden: list = field(default_factory=list)  # ready maps a flush detached, still draining (drain.py)
+
+    def ready_blocks(self) -> int:
+        return self.ready
+
+    def writing_blocks(self) -> int:
+        """Entries being written (a store or a lower tier's read in flight), plus hidden ones draining."""
+        return len(self.entries) - self.ready
+
+
+@dataclass(eq=False)
+class StorePlan:
+    ns: Bucket
+    entries: list            # Entry to write, or None (skipped / no space), per key
+    skipped: list[int]       # indices already present or being written
+    no_space: list[int]      # indices that found no room
+    abandoned: bool = False  # owner died: commit nothing
+    done: bool = False       # completed: a second completion is a caller bug
+
+
+@dataclass(eq=False)
+class LoadPlan:
+    ns: Bucket
+    entries: list            # pinned Entry per key, or None when missing
+    missing: list[int]
+    done: bool = False       # completed: a second completion would steal others' pins
