@@ -4,7 +4,7 @@
 
     python scripts/bench_trace.py [--trace FILE] [--requests N] [--capacities 0.02,0.05,0.1,0.2,0.4]
                                   [--engines 4] [--scenarios shared-spread,private-spread,...]
-                                  [--block-bytes 16KiB] [--verify-every 8] [--json FILE]
+                                  [--block-bytes 16KiB] [--disk-x 10] [--verify-every 8] [--json FILE]
 
 Each request of the trace (``../shared/traces/README.md``: one id per
 prefix-chained block) goes, in trace order, to one of ``--engines`` engine
@@ -16,7 +16,8 @@ kvtier block of ``--block-bytes``. Requests go one at a time (the next is
 sent once the last one's store is committed), so a run is deterministic
 and comparable with the in-process references computed on the same
 sequence (``tracesim.py``): an infinite cache, kvtier's LRU order, and the
-offline bound (Belady).
+offline bound (Belady); for the disk rows, the daemon's RAM-over-disk order
+simulated and one LRU of the pool and the disk together.
 
 Capacity is a share of the working set (the distinct blocks the replayed
 requests name); each daemon's pool is sized to whole slabs of 16 blocks
@@ -27,7 +28,9 @@ and holds the capacity rounded up to 16 (printed). Scenarios:
   shared-sticky    one daemon of C; a request goes to the engine of its first block
                    (prefix-affinity routing: a conversation or document stays on one engine)
   private-sticky   private daemons of C/E, sticky routing
-  disk             shared-spread plus the disk tier at 10x the pool
+  disk             shared-spread plus the disk tier holding --disk-x times the pool's blocks
+                   (its disk_size counts each file's 4 KiB header: at small test blocks a
+                   disk_size of 10x the pool's bytes would hold only 5x its 4 KiB blocks)
 Printed per scenario and capacity: the hit ratio (blocks loaded over blocks
 requested), the daemon's own hit count, the references, lookup/load/store
 p50/p99 and requests/s. Hit ratios do not depend on the machine; latencies
@@ -131,7 +134,10 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args) -> dic
     daemons, engines, pipes = [], [], []
     env = {"OMP_NUM_THREADS": "1"}
     if disk_dir:
-        env.update(KVTIER_DISK_PATH=disk_dir, KVTIER_DISK_SIZE=str(max(2**20, 10 * slabs * slab)))
+        from kvtier.disk.format import HEADER_BYTES
+        disk_blocks = int(args.disk_x * slabs * SLAB_BLOCKS)
+        env.update(KVTIER_DISK_PATH=disk_dir,
+                   KVTIER_DISK_SIZE=str(max(2**20, disk_blocks * (HEADER_BYTES + args.block_bytes))))
     try:
         for _ in range(args.engines if private else 1):
             daemons.append(PrivateDaemon(pool_size=str(slabs * slab), slab_size=str(slab), extra=tuple(extra),
@@ -167,7 +173,8 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args) -> dic
             daemon_hits += s["totals"]["hits"]
             held += sum(ns["blocks"] for ns in s["namespaces"])
             if s.get("disk", {}).get("enabled"):  # what reached the disk, and what did not and why
-                disk = {k: v for k, v in s["disk"].items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                disk = {k: v for k, v in s["disk"].items()
+                        if k == "not_written" or isinstance(v, (int, float)) and not isinstance(v, bool)}
         refs = tracesim.references(chains)
         row = {"scenario": name, "capacity_blocks": capacity, "daemons": len(daemons),
                "pool_blocks_each": slabs * SLAB_BLOCKS, "hit_ratio": hits / refs, "daemon_hits": daemon_hits,
@@ -200,9 +207,9 @@ def _answer(conn):
     return value
 
 
-def references_for(name: str, chains: list[list[int]], pool_blocks: int, engines: int) -> dict:
+def references_for(name: str, chains: list[list[int]], pool_blocks: int, engines: int, disk_x: float) -> dict:
     """In-process hit ratios on exactly the sequence(s) the scenario's daemons see,
-    with the blocks each daemon's pool really holds."""
+    with the blocks each daemon's pool really holds (and its disk, for ``disk``)."""
     if not name.startswith("private"):
         groups = [chains]
     else:
@@ -211,8 +218,8 @@ def references_for(name: str, chains: list[list[int]], pool_blocks: int, engines
     caps = [pool_blocks] * len(groups)
     refs = tracesim.references(chains)
     out = {}
-    for policy in ("lru", "belady"):
-        out[policy] = sum(tracesim.hit_ratio(policy, cap, g) * tracesim.references(g)
+    for policy in ("lru", "belady") + (("ram+disk", "lru-combined") if name == "disk" else ()):
+        out[policy] = sum(tracesim.hit_ratio(policy, cap, g, disk_x) * tracesim.references(g)
                           for g, cap in zip(groups, caps)) / refs
     return out
 
@@ -225,9 +232,12 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", type=int, default=4)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--block-bytes", type=bl.parse_size, default=16 * 1024)
+    ap.add_argument("--disk-x", type=float, default=10.0, help="disk: the disk tier holds this many pools of blocks")
     ap.add_argument("--verify-every", type=int, default=8)
     bl.add_json_flag(ap)
     args = ap.parse_args(argv)
+    if not 0 < args.disk_x < 1e6:
+        raise SystemExit(f"--disk-x must be a positive number of pools, not {args.disk_x}")
     bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
     if bad:
         raise SystemExit(f"unknown scenarios {bad}; choose from {SCENARIOS}")
@@ -241,20 +251,25 @@ def main(argv=None) -> int:
         capacity = max(1, int(ws * share))
         for name in args.scenarios.split(","):
             row = run_scenario(name, chains, capacity, args)
-            refs = references_for(name, chains, row["pool_blocks_each"], args.engines)
-            row.update(capacity=share, infinite=infinite, sim_lru=refs["lru"], sim_belady=refs["belady"])
+            refs = references_for(name, chains, row["pool_blocks_each"], args.engines, args.disk_x)
+            row.update(capacity=share, infinite=infinite, sim_lru=refs["lru"], sim_belady=refs["belady"],
+                       sim_ram_disk=refs.get("ram+disk"), sim_lru_combined=refs.get("lru-combined"))
+            tiers = (f", ram+disk sim {refs['ram+disk']:.3f}, one lru of both {refs['lru-combined']:.3f}"
+                     if name == "disk" else "")
             rows.append(row)
             print(f"{share:>5.0%} {name:<15} hit {row['hit_ratio']:.3f} (lru sim {refs['lru']:.3f}, "
-                  f"bound {refs['belady']:.3f}, infinite {infinite:.3f})  {row['requests_per_s']:.0f} req/s",
+                  f"bound {refs['belady']:.3f}, infinite {infinite:.3f}{tiers})  {row['requests_per_s']:.0f} req/s",
                   file=sys.stderr, flush=True)
     report = {"trace": os.path.basename(args.trace), "requests": len(chains), "working_set_blocks": ws,
               "engines": args.engines, "block_bytes": args.block_bytes, "rows": rows,
               "machine": bl.machine_notes()}
     table = bl.table(
-        ["capacity", "scenario", "pool blocks", "hit ratio", "LRU sim", "bound", "daemon hits", "bad",
+        ["capacity", "scenario", "pool blocks", "hit ratio", "LRU sim", "bound", "RAM+disk sim", "LRU of both",
+         "daemon hits", "bad",
          "lookup p50/p99 ms", "load p50/p99 ms", "store p50/p99 ms", "req/s"],
         [[f"{r['capacity']:.0%}", r["scenario"], f"{r['daemons']}x{r['pool_blocks_each']}",
-          f"{r['hit_ratio']:.3f}", f"{r['sim_lru']:.3f}", f"{r['sim_belady']:.3f}", r["daemon_hits"],
+          f"{r['hit_ratio']:.3f}", f"{r['sim_lru']:.3f}", f"{r['sim_belady']:.3f}",
+          *(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("sim_ram_disk", "sim_lru_combined")), r["daemon_hits"],
           r["bad_blocks"], f"{r['lookup_p50_ms']}/{r['lookup_p99_ms']}", f"{r['load_p50_ms']}/{r['load_p99_ms']}",
           f"{r['store_p50_ms']}/{r['store_p99_ms']}", round(r["requests_per_s"])] for r in rows],
         f"{report['trace']}: {len(chains)} requests, working set {ws} blocks of {bl.short_size(args.block_bytes)}, "

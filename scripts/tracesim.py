@@ -4,7 +4,7 @@
 
     python scripts/tracesim.py [--trace FILE] [--capacities 0.01,0.02,0.05,0.1,0.2,0.4]
                                [--policies lru,lru2,lrfu,arc,lfu,oracle-ever,oracle-count,belady]
-                               [--requests N] [--start K] [--json FILE]
+                               [--requests N] [--start K] [--disk-x 10] [--json FILE]
 
 A trace is one request per line, ``{"timestamp": ms, "hash_ids": [...]}``, each
 id one prefix-chained block (``../shared/traces/README.md``). Each request
@@ -22,6 +22,8 @@ Policies (all on the same request sequence):
   oracle-ever   LRU that knows which blocks are never referenced again (drops them at once)
   oracle-count  knows how many more times each block is referenced (not when): evicts the fewest
   belady        the offline bound: evicts the block referenced farthest in the future
+  ram+disk      kvtier's pool of the capacity over its disk tier of --disk-x pools (RamOverDisk)
+  lru-combined  one LRU of the pool and the disk together ((1 + --disk-x) x the capacity)
 The two oracles bound what knowing a block's future *count* can buy an online
 policy; ``belady`` also knows *when*.
 
@@ -244,6 +246,38 @@ class OracleEver:
             self.cache.popitem(last=False)
 
 
+class RamOverDisk:
+    """kvtier's RAM pool (LRU, ``ram`` blocks) over its disk tier (``disk`` blocks), as the
+    daemon runs them: every block a store commits is also written to disk (the disk is
+    inclusive: the blocks in RAM are on disk too, unless the disk dropped them), in the
+    request's order, head first; a lookup finds the longest prefix held by either tier and
+    the disk blocks it counts past the RAM prefix are a use (the disk drops its least
+    recently used first); a disk hit is read back into RAM. ``bench_trace.py``'s disk rows
+    are compared with it, and with one LRU of ``ram + disk`` blocks (an exclusive pair)."""
+
+    def __init__(self, ram: int, disk: int):
+        self.ram, self.disk, self.disk_capacity = lru(ram), OrderedDict(), disk
+
+    def __contains__(self, b) -> bool:
+        return b in self.ram or b in self.disk
+
+    def request(self, ids: list[int]) -> None:
+        r = 0
+        while r < len(ids) and ids[r] in self.ram:
+            r += 1
+        n = r
+        while n < len(ids) and ids[n] in self:
+            n += 1
+        used = [b for b in ids[r:n] if b in self.disk]
+        written = [b for b in ids[n:] if b not in self.disk]
+        self.ram.request(ids)  # hits refreshed, disk hits read back, the rest stored
+        for b in used + written:
+            self.disk[b] = None
+            self.disk.move_to_end(b)
+        while len(self.disk) > self.disk_capacity:
+            self.disk.popitem(last=False)
+
+
 class Infinite:
     def __init__(self):
         self.seen: set = set()
@@ -255,9 +289,13 @@ class Infinite:
         self.seen.update(ids)
 
 
-def make(policy: str, capacity: int, chains: list[list[int]]):
+def make(policy: str, capacity: int, chains: list[list[int]], disk_x: float = 0):
     if policy == "infinite":
         return Infinite()
+    if policy == "ram+disk":
+        return RamOverDisk(capacity, int(capacity * disk_x))
+    if policy == "lru-combined":  # RAM and disk as one LRU cache of their summed size
+        return lru(capacity + int(capacity * disk_x))
     simple = {"lru": lru, "lru2": lru2, "lfu": lfu, "lrfu": lrfu, "arc": ARC}
     if policy in simple:
         return simple[policy](capacity)
@@ -267,9 +305,10 @@ def make(policy: str, capacity: int, chains: list[list[int]]):
     raise SystemExit(f"unknown policy {policy!r}")
 
 
-def hit_ratio(policy: str, capacity: int, chains: list[list[int]]) -> float:
-    """Blocks hit (longest cached prefix per request) over blocks referenced."""
-    cache, hits = make(policy, capacity, chains), 0
+def hit_ratio(policy: str, capacity: int, chains: list[list[int]], disk_x: float = 0) -> float:
+    """Blocks hit (longest cached prefix per request) over blocks referenced.
+    ``disk_x``: the disk tier's size in pools, for ``ram+disk`` and ``lru-combined``."""
+    cache, hits = make(policy, capacity, chains, disk_x), 0
     for ids in chains:
         k = 0
         while k < len(ids) and ids[k] in cache:
@@ -286,8 +325,12 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="lru,lru2,lrfu,arc,lfu,oracle-ever,oracle-count,belady")
     ap.add_argument("--requests", type=int, default=0, help="replay only N requests")
     ap.add_argument("--start", type=int, default=0, help="from request START (a later part of the trace)")
+    ap.add_argument("--disk-x", type=float, default=10.0,
+                    help="ram+disk and lru-combined: the disk tier holds this many pools of blocks")
     ap.add_argument("--json", default="", help="also write the table as JSON to this file")
     args = ap.parse_args(argv)
+    if not args.disk_x > 0 or math.isinf(args.disk_x):
+        raise SystemExit(f"--disk-x must be a positive number of pools, not {args.disk_x}")
     chains = [r["hash_ids"] for r in load_trace(args.trace, args.requests, args.start)]
     ws = working_set(chains)
     policies = args.policies.split(",")
@@ -297,7 +340,7 @@ def main(argv=None) -> int:
     rows = []
     for share in (float(x) for x in args.capacities.split(",")):
         cap = max(1, int(ws * share))
-        row = {"capacity": share, "blocks": cap, **{p: hit_ratio(p, cap, chains) for p in policies}}
+        row = {"capacity": share, "blocks": cap, **{p: hit_ratio(p, cap, chains, args.disk_x) for p in policies}}
         rows.append(row)
         print(f"{share:>9.0%} {cap:>7} " + " ".join(f"{row[p]:>12.3f}" for p in policies), flush=True)
     if args.json:

@@ -61,3 +61,26 @@ def test_every_policy_lies_between_nothing_and_the_offline_bound():
             assert 0 <= tracesim.hit_ratio(policy, cap, chains) <= bound + 1e-12, (policy, cap)
     # Two blocks of LRU hold [1, 2] through the next request (the chain's tail goes first).
     assert tracesim.hit_ratio("lru", 2, [[1, 2, 3], [1, 2, 4]]) == pytest.approx(2 / 6)
+
+
+def test_the_disk_tier_model_hits_what_ram_lost_but_pays_for_holding_ram_twice():
+    """kvtier's disk is inclusive (every stored block is written): with a disk as large as the
+    pool it adds nothing, where one LRU of both sizes would keep the older document."""
+    chains = [[1, 2], [3, 4], [1, 2]]
+    # A disk of two pools holds the first document after RAM dropped it: read back, a hit.
+    assert tracesim.hit_ratio("lru", 2, chains) == 0
+    assert tracesim.hit_ratio("ram+disk", 2, chains, disk_x=2) == pytest.approx(2 / 6)
+    assert tracesim.hit_ratio("lru-combined", 2, chains, disk_x=2) == pytest.approx(2 / 6)
+    # A disk of one pool holds what RAM holds: the pair reaches what one LRU of twice the size does not.
+    assert tracesim.hit_ratio("ram+disk", 2, chains, disk_x=1) == 0
+    assert tracesim.hit_ratio("lru-combined", 2, chains, disk_x=1) == pytest.approx(2 / 6)
+
+
+@pytest.mark.parametrize("script", ["tracesim.py", "bench_trace.py"])
+@pytest.mark.parametrize("disk_x", ["-1", "0", "nan", "inf", "ten"])
+def test_a_disk_size_that_is_no_positive_number_of_pools_is_refused_before_any_replay(script, disk_x):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--trace", os.devnull,
+                           "--disk-x", disk_x], capture_output=True, text=True, timeout=120, cwd=SCRIPTS,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--disk-x" in proc.stderr
