@@ -302,6 +302,9 @@ def make(policy: str, capacity: int, chains: list[list[int]], disk_x: float = 0)
     oracles = {"belady": belady, "oracle-count": oracle_count, "oracle-ever": OracleEver}
     if policy in oracles:
         return oracles[policy](capacity, chains)
+    import tracepolicies  # the ideas tried after the first study (imports this module)
+    if policy in tracepolicies.POLICIES:
+        return tracepolicies.POLICIES[policy](capacity)
     raise SystemExit(f"unknown policy {policy!r}")
 
 
