@@ -266,20 +266,24 @@ def lookup_in_process(n: int) -> dict:
     from kvtier.disk.io import DiskIO
     from kvtier.pool.allocator import SlabAllocator
     from kvtier.pool.index import BlockIndex
-    index = BlockIndex(SlabAllocator(64 * 2**20, 2**20))
-    ns = index.namespace("t\x1fbench", 4096)
     ram, disk = hashes(64, 1), hashes(64, 2)
-    plan = index.prepare_store(ns, ram)
-    index.complete_store(plan)
+    indexes = {}  # the same blocks in RAM, without and with the disk tier below
+    for tiered in (False, True):
+        index = BlockIndex(SlabAllocator(64 * 2**20, 2**20))
+        ns = index.namespace("t\x1fbench", 4096)
+        index.complete_store(index.prepare_store(ns, ram))
+        indexes[tiered] = (index, ns)
     root = tempfile.mkdtemp(prefix="kvtier-bench-lookup-")
     os.mkdir(os.path.join(root, "tmp"))
     io = DiskIO(root, bytearray(4096), 1)
-    bridge = DiskBridge(io, DiskIndex(2**40), index, None, None, 1.0, 0)
+    index, ns = indexes[True]
+    bridge = DiskBridge(io, DiskIndex(2**40), index, 1.0, 0)
+    index.attach_lower(bridge)
     for k in disk:
-        bridge.dindex.add(DiskEntry(ns.fingerprint, k, 1, 4096, 0, ""))
+        bridge.dindex.add(DiskEntry(ns.key, k, 1, 4096, 0, ""))
 
-    def per_call(keys, lower) -> float:
-        index.lower = lower
+    def per_call(keys, tiered) -> float:
+        index, ns = indexes[tiered]
         times = []
         for _ in range(n):
             t0 = time.perf_counter_ns()
@@ -289,9 +293,9 @@ def lookup_in_process(n: int) -> dict:
         return statistics.median(times)
     out = {}
     for _ in range(3):  # interleaved
-        for name, keys, lower in (("ram, tier off", ram, None), ("ram, tier on", ram, bridge),
-                                  ("disk, tier on", disk, bridge), ("miss, tier off", disk, None)):
-            out.setdefault(name, []).append(per_call(keys, lower))
+        for name, keys, tiered in (("ram, tier off", ram, False), ("ram, tier on", ram, True),
+                                   ("disk, tier on", disk, True), ("miss, tier off", disk, False)):
+            out.setdefault(name, []).append(per_call(keys, tiered))
     io.close()
     shutil.rmtree(root, ignore_errors=True)
     return {k: min(v) for k, v in out.items()}

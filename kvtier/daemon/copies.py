@@ -31,7 +31,7 @@ import logging
 import time
 import zlib
 from collections import Counter
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -49,22 +49,25 @@ log = logging.getLogger("kvtier.daemon")
 
 
 class CopyRunner:
-    def __init__(self, pool: torch.Tensor, pool_buffer, settings: Callable[[], DaemonConfig],
+    def __init__(self, pool: torch.Tensor, pool_buffer, config: Callable[[], DaemonConfig],
                  send: Callable[[bytes, int, object], None], on_idle: Callable[[object], None],
-                 counters: Counter, errors: Counter, latency: LatencyHistograms):
+                 counters: Counter, errors: Counter, latency: LatencyHistograms, *, crcs: dict | None = None,
+                 journal=None, on_commit: Sequence[Callable[[object], None]] = ()):
+        """``crcs``: pool offset -> crc32 of its last committed bytes (the daemon's table, shared
+        with the tiers). ``journal``: warm restart (daemon/warm.py): stores' crcs are recorded at
+        commit, adopted blocks verified at their first load. ``on_commit``: the lower tiers'
+        write-behind, each given a store's plan once committed."""
         self.pool, self.pool_buffer = pool, pool_buffer
-        self.settings, self.send, self.on_idle = settings, send, on_idle
+        self.config, self.send, self.on_idle = config, send, on_idle
         self.counters, self.errors, self.latency = counters, errors, latency
-        self.worker = CopyWorker(settings().copy_threads)
-        self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its last committed bytes
+        self.worker = CopyWorker(config().copy_threads)
+        self.crcs: dict[int, int] = {} if crcs is None else crcs
         self.inflight: set[CopyOp] = set()
         self._by_user: dict[int | None, list[int]] = {}  # uid (None: TCP) -> [transfers, pieces] in flight
-        self.on_commit: Callable[[object], None] | None = None  # a store's plan, once committed
+        self.on_commit = tuple(on_commit)
         self.gate: FenceGate | None = None  # CUDA copies waiting for their worker's event
-        # Warm restart (daemon/warm.py): stores' crcs are recorded at commit, adopted blocks
-        # verified at their first load; (index, offset, crc) being checked, per load in flight.
-        self.journal = None
-        self._checking: dict[CopyOp, list] = {}
+        self.journal = journal
+        self._checking: dict[CopyOp, list] = {}  # load in flight -> (index, offset, crc) being checked
 
     @property
     def wakeup_fd(self) -> int:
@@ -83,14 +86,14 @@ class CopyRunner:
         """Refuse a new transfer before anything is reserved for it when the
         client's user has ``max_transfers_per_user`` in flight (``waiting``: its
         transfers held elsewhere, loads waiting for a lower tier's reads)."""
-        cap = self.settings().max_transfers_per_user
+        cap = self.config().max_transfers_per_user
         if self.user_load(client.uid)[0] + waiting >= cap:
             raise DaemonError(ErrorCode.OVER_LIMIT, f"{cap} transfers of this user are in flight "
                               "(max_transfers_per_user); wait for some to finish")
 
     def over_limit(self, op: CopyOp) -> str:
         """Why a prepared ``op`` may not start now ("" if it may)."""
-        cap = self.settings().max_pieces_in_flight_per_user
+        cap = self.config().max_pieces_in_flight_per_user
         transfers, pieces = self.user_load(op.client.uid)
         if transfers and pieces + op.pieces > cap:  # alone, any transfer fits (max_copy_pieces bounds it)
             return (f"{pieces} copy pieces of this user are in flight, this transfer adds {op.pieces} "
@@ -105,7 +108,7 @@ class CopyRunner:
         op.reg.inflight += 1
         op.client.ops[op.request_id] = op
         self.inflight.add(op)
-        config = self.settings()
+        config = self.config()
         check = self.journal.to_verify(op) if self.journal is not None and not op.to_pool else []
         if check:
             self._checking[op] = check
@@ -187,7 +190,7 @@ class CopyRunner:
             if error is not None and not isinstance(error, Cancelled):
                 log.error("copy for client %d (%s) failed: %s", op.client.id, op.label, error)
                 self.errors["COPY_FAILED"] += 1
-            if not failed and self.settings().checksums:  # warm restart's crcs go to its journal
+            if not failed and self.config().checksums:  # warm restart's crcs go to its journal
                 self.crcs.update(op.crcs)
             if op.bad:
                 log.error("checksum mismatch on %d blocks read by client %d: dropping them",
@@ -200,8 +203,8 @@ class CopyRunner:
             if not failed and isinstance(op, StoreOp):
                 if self.journal is not None:
                     self.journal.committed(op.plan, op.crcs)  # bytes in the pool, entries READY: now kept
-                if self.on_commit is not None:
-                    self.on_commit(op.plan)
+                for committed in self.on_commit:
+                    committed(op.plan)
             if op.cancelled.is_set():
                 self.counters["cancelled"] += 1
                 log.info("%s for client %d cancelled (%s): nothing committed", op.label, op.client.id,

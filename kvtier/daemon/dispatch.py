@@ -3,11 +3,11 @@ reply or one typed error, whatever it holds.
 
 ``Dispatcher.read_requests()`` drains a bounded batch from the ROUTER;
 ``Dispatcher.handle(identity, frame, frames)`` decodes, checks who asks and
-what may be asked now, and runs the request's handler (``requests.py``). It
-is also how the remote tier re-runs a load once the blocks it fetched are in
-the pool. Every exception maps to an error reply here and nowhere else: the
-daemon running out of descriptors, mappings or memory (``EMFILE``,
-``ENOMEM``, ``MemoryError``) is ``EXHAUSTED`` for that request alone.
+what may be asked now, and runs the request's handler (``requests.py``).
+Every exception maps to an error reply through ``replies.py`` (the one
+mapping, shared with a load resumed after a lower tier's reads): the daemon
+running out of descriptors, mappings or memory is ``EXHAUSTED`` for that
+request alone.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import zmq
 
 from ..protocol import messages as m
 from ..protocol.codec import decode
-from ..protocol.errors import ErrorCode, ProtocolError, side_of
-from ..transfer.mapping import RESOURCE_ERRNOS
+from ..protocol.errors import ErrorCode, ProtocolError
 from .guard import ConnectionGuard
 from .listen import Listener
 from .peers import peer_of_fd
+from .replies import Replies
 from .requests import REFUSED_WHILE_DRAINING, RequestHandlers
 from .sessions import Sessions
 from .state import DaemonError
@@ -43,11 +43,12 @@ READ_BATCH = 256  # frames per loop turn, so completions and reaping stay timely
 
 class Dispatcher:
     def __init__(self, config: Callable, listener: Listener, sessions: Sessions, handlers: RequestHandlers,
-                 guard: ConnectionGuard, stopping: Callable[[], bool], counters: Counter, errors: Counter):
-        self._config = config  # a getter: SIGHUP replaces the config whole
+                 guard: ConnectionGuard, replies: Replies, stopping: Callable[[], bool], counters: Counter):
+        self.config = config  # a getter: SIGHUP replaces the config whole
         self.listener, self.sessions, self.handlers, self.guard = listener, sessions, handlers, guard
+        self.replies, self.error = replies, replies.error
         self._stopping = stopping
-        self.counters, self.errors = counters, errors
+        self.counters, self.errors = counters, replies.errors
 
     def read_requests(self) -> None:
         router = self.listener.router
@@ -69,7 +70,7 @@ class Dispatcher:
     def handle(self, identity: bytes, frame: bytes, frames=()) -> None:
         """Every request gets a reply or an error.
         ``frames``: the received zmq frames (which connection sent a HELLO)."""
-        config = self._config()
+        config = self.config()
         req_id = 0
         client = self.sessions.clients.get(identity)
         try:
@@ -105,21 +106,10 @@ class Dispatcher:
                 self.guard.hello(srcfd)
             else:
                 reply = self.handlers.table[kind](client, msg, identity, req_id)
-        except (ProtocolError, DaemonError) as exc:
-            reply = self.error(exc.code, exc.message, client)
-        except Exception as exc:
-            if _exhausted(exc):  # out of descriptors or mappings: this request is refused, the session goes on
-                reply = self.error(ErrorCode.EXHAUSTED, f"the daemon is out of resources: {exc}", client)
-            else:  # a bug: answer, log, keep serving
-                log.exception("internal error handling a request from %r", client.id if client else identity)
-                reply = self.error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", client)
+        except Exception as exc:  # a bug too: answered, logged, the loop serves on
+            reply = self.replies.failure(exc, client, identity)
         if reply is not None:
             self.listener.send(identity, req_id, reply)
-
-    def error(self, code: ErrorCode, message: str, client) -> m.Error:
-        self.errors[code.name] += 1
-        log.warning("error %s to client %s: %s", code.name, client.id if client else "-", message)
-        return m.Error(int(code), message, side_of(code))
 
     @staticmethod
     def _peer(srcfd: int, endpoint: str):
@@ -130,11 +120,6 @@ class Dispatcher:
         if peer is None and not (url or _is_tcp(srcfd)):
             raise DaemonError(ErrorCode.UNAUTHORIZED, "cannot identify this connection's process")
         return peer
-
-
-def _exhausted(exc: BaseException) -> bool:
-    """A failure for want of descriptors, mappings or memory (not a bug)."""
-    return isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS)
 
 
 def _is_tcp(srcfd: int) -> bool:

@@ -19,8 +19,8 @@ keeps no descriptor). The totals over all users fit the process limits.
 It also tells the sessions when a connection closed (``on_closed(fd)``):
 that, and the process's exit, is how a local client's session ends.
 
-Primitives: ``ConnectionGuard(router, path, settings)``, ``.fd`` (poll it),
-``.on_events()``, ``.on_closed``, ``.hello(fd)``, ``.expire(now)``, ``.close()``,
+Primitives: ``ConnectionGuard(router, path, config, on_closed)``, ``.fd`` (poll it),
+``.on_events()``, ``.hello(fd)``, ``.expire(now)``, ``.close()``,
 ``fd_headroom(config)``, ``map_headroom(config)``, ``fd_need(config)``, ``map_need(config)``.
 """
 
@@ -101,14 +101,15 @@ def map_headroom(config: DaemonConfig, path: str = MAX_MAP_COUNT) -> int:
 
 
 class ConnectionGuard:
-    def __init__(self, router: zmq.Socket, path: str, settings: Callable[[], DaemonConfig]):
-        self.path, self.settings = path, settings
+    def __init__(self, router: zmq.Socket, path: str, config: Callable[[], DaemonConfig],
+                 on_closed: Callable[[int], None] = lambda fd: None):
+        self.path, self.config = path, config
+        self.on_closed = on_closed  # the sessions: the ones said HELLO on that connection end
         self.monitor = router.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         self.fd = self.monitor
         self.conns: dict[int, Conn] = {}
         self.counters: Counter = Counter()
-        self.on_closed: Callable[[int], None] = lambda fd: None
 
     def on_events(self) -> None:
         while True:
@@ -124,7 +125,7 @@ class ConnectionGuard:
                 self.on_closed(fd)
 
     def _accepted(self, fd: int) -> None:
-        config = self.settings()
+        config = self.config()
         peer = peer_of_fd(fd, self.path)
         uid = peer.uid if peer is not None else None
         conn = Conn(uid, time.monotonic())
@@ -144,7 +145,7 @@ class ConnectionGuard:
             conn.helloed = True
 
     def expire(self, now: float) -> None:
-        limit = self.settings().hello_deadline_s
+        limit = self.config().hello_deadline_s
         for fd, conn in list(self.conns.items()):
             if not conn.helloed and now - conn.since > limit:
                 self._cut(fd, f"no HELLO within {limit:g}s")

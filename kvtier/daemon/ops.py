@@ -116,9 +116,11 @@ class LoadOp(CopyOp):
         return fence, check_ids(reg, msg.blocks, len(keys) * k - msg.skip, writes=True)
 
     @classmethod
-    def prepare(cls, index: BlockIndex, client: ClientState, reg: Registration, request_id: int, msg: m.Load):
-        keys = check_keys(msg.hashes)
-        fence, ids = cls.check(reg, msg, keys)
+    def prepare(cls, index: BlockIndex, client: ClientState, reg: Registration, request_id: int, msg: m.Load,
+                keys: list[bytes], checked: tuple):
+        """``keys`` and ``checked`` (``check``'s result) come from the dispatch point: a load a lower
+        tier held is not checked again when it resumes here."""
+        fence, ids = checked
         if msg.prefix:  # lookup-and-load: only the ready prefix, the rest is no failure
             hits = index.lookup(reg.ns, keys)
             keys = keys[:hits]

@@ -2,7 +2,11 @@
 
 ``RequestHandlers.table[type(msg)](client, msg, ...)`` returns the reply, or
 ``None`` when a copy answers later. Expected failures raise ``DaemonError``;
-the server's single dispatch point turns every exception into an error reply.
+the server's single dispatch point turns every exception into an error reply
+(``replies.py``). A load naming blocks the pool lacks is checked once, then
+offered to the lower tiers in order (disk, remote) as a ``PendingLoad``; the
+tier that takes it hands it back to ``resume`` once its blocks are in the pool,
+and the load goes on from there (the next tier, then a copy from RAM).
 Which messages are requests at all is the protocol's business
 (``messages.REQUESTS``); which may come before HELLO or while draining is
 decided here.
@@ -11,7 +15,7 @@ decided here.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..pool.allocator import IntegrityError
 from ..pool.index import BlockIndex
@@ -22,6 +26,8 @@ from .copies import CopyRunner
 from .flushes import Flushes
 from ..protocol.arrays import HASH_BYTES, pack_ids
 from .ops import MAX_BLOCKS_PER_OP, LoadOp, OffloadOp, RestoreOp, StoreOp, check_keys
+from .pending import PendingLoad
+from .replies import Replies
 from .sessions import Sessions
 from .state import ClientState, DaemonError
 from ..pool.keys import split_key
@@ -37,12 +43,14 @@ and BYE are still served so clients can tell "draining" from "gone"."""
 
 class RequestHandlers:
     def __init__(self, sessions: Sessions, copies: CopyRunner, index: BlockIndex, swap: SwapTable,
-                 stats: Callable[[ClientState], dict], flushes: Flushes, remote=None):
+                 stats: Callable[[ClientState], dict], flushes: Flushes, replies: Replies,
+                 stopping: Callable[[], bool], disk=None, remote=None):
         self.sessions, self.copies, self.index, self.swap = sessions, copies, index, swap
-        self.flushes = flushes
+        self.flushes, self.replies, self.stopping = flushes, replies, stopping
         self.stats = stats
-        self.remote = remote  # RemoteBridge, or None
-        self.disk = None      # DiskBridge, or None
+        self.disk, self.remote = disk, remote  # DiskBridge, RemoteBridge, or None
+        # Where a load's missing blocks come from, in order: .load(ns, pending) -> True when it took it.
+        self.tiers: Sequence = [t for t in (disk, remote) if t is not None]
         self.table: dict[type, Callable] = {
             m.Hello: self.hello, m.Ping: self.ping, m.Bye: self.bye,
             m.Register: self.register, m.Unregister: self.unregister,
@@ -100,19 +108,49 @@ class RequestHandlers:
     def load(self, client: ClientState, msg: m.Load, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
         self._admit(client)
-        if (self.disk is not None or self.remote is not None and not msg.prefix) and \
-                self.tier_fetch(reg, msg, identity, req_id):
-            return None  # the load runs again here once the blocks read or fetched are in the pool
-        return self._run(LoadOp.prepare(self.index, client, reg, req_id, msg))
-
-    def tier_fetch(self, reg, msg: m.Load, identity: bytes, req_id: int) -> bool:
-        """Blocks the pool lacks come from the disk tier first, then the remote tier."""
         keys = check_keys(msg.hashes)
-        LoadOp.check(reg, msg, keys)  # a bad request is refused before anything is read or fetched
-        if self.disk is not None and self.disk.load(identity, req_id, msg, reg.ns, keys,
-                                                    reg.client.uid):  # disk tier hook
-            return True
-        return self.remote is not None and not msg.prefix and self.remote.load(identity, req_id, msg, reg.ns, keys)
+        checked = LoadOp.check(reg, msg, keys)  # a bad request is refused before anything is read or fetched
+        if self.tiers:
+            pending = PendingLoad(identity, req_id, msg, keys, checked, client.uid, self.resume)
+            if self._lower(reg, pending):
+                return None  # resume() goes on once the blocks read or fetched are in the pool
+        return self._run(LoadOp.prepare(self.index, client, reg, req_id, msg, keys, checked))
+
+    def _lower(self, reg, pending: PendingLoad) -> bool:
+        """Offer the load to the tiers not asked yet (disk first, then remote; each once)."""
+        while pending.next_tier < len(self.tiers):
+            tier = self.tiers[pending.next_tier]
+            pending.next_tier += 1
+            if tier.load(reg.ns, pending):  # disk / remote tier hook
+                pending.held = True  # until the tier lands it
+                return True
+        return False
+
+    def resume(self, pending: PendingLoad) -> None:
+        """A lower tier is done with ``pending``: a cancelled load is answered failed (nothing
+        copied); else, if its client and cache are still there, it goes on from the next tier
+        or copies from RAM, answered like any request (errors through ``replies``)."""
+        client = self.sessions.clients.get(pending.identity)
+        try:
+            if pending.cancelled:  # the engine may reuse its blocks already: copy nothing into them
+                reply = m.TransferDone(0, 0, pack_ids(range(pending.count)))
+            else:
+                reply = self._resumed(client, pending)
+        except Exception as exc:
+            reply = self.replies.failure(exc, client, pending.identity)
+        if reply is not None:
+            self.replies.send(pending.identity, pending.req_id, reply)
+
+    def _resumed(self, client: ClientState | None, p: PendingLoad):
+        if client is None:  # reaped while its blocks were read: the dispatch point would say the same
+            raise DaemonError(ErrorCode.NOT_CONNECTED, "say HELLO first")
+        if self.stopping():
+            raise DaemonError(ErrorCode.SHUTTING_DOWN, "daemon is shutting down")
+        reg = self.sessions.registration(client, p.msg.reg)  # closed meanwhile: UNKNOWN_NAMESPACE
+        self._admit(client)  # its wait no longer counts: it takes its own place again
+        if self._lower(reg, p):
+            return None
+        return self._run(LoadOp.prepare(self.index, client, reg, p.req_id, p.msg, p.keys, p.checked))
 
     def offload(self, client: ClientState, msg: m.Offload, identity, req_id):
         reg = self.sessions.registration(client, msg.reg)
@@ -152,10 +190,8 @@ class RequestHandlers:
         op = client.ops.get(msg.request)
         if op is not None:
             op.cancel("cancelled by the client")  # stops at its next chunk, then answered
-        elif self.disk is not None and self.disk.cancel(identity, msg.request):
-            pass  # a load whose blocks were still being read: answered now
-        elif self.remote is not None:
-            self.remote.cancel(identity, msg.request)  # a load whose blocks are still being fetched
+        else:  # a load whose blocks are still being read (disk: answered now) or fetched (remote)
+            any(t.cancel(identity, msg.request) for t in self.tiers)
         return m.Ok()
 
     # ---- management --------------------------------------------------------------------

@@ -55,6 +55,7 @@ from .housekeeping import Housekeeping
 from .guard import ConnectionGuard, fd_headroom, map_headroom
 from .listen import HANDOVER_SUFFIX, Listener, StartupError, UnfitConfig, remove_our_socket, take_socket_lock
 from .lookup_index import STALE_PREFIX as INDEX_PREFIX
+from .replies import Replies
 from .requests import RequestHandlers
 from .sessions import Sessions
 from .startup import POOL_PREFIX, check_ram, new_pool, start_gpu, start_lookup_indexes
@@ -98,15 +99,17 @@ class Daemon:
             raise StartupError(str(exc)) from None
         self.pool_name = self.segment.name
         self.pool = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
+        self.lookup_indexes = start_lookup_indexes(config)
+        # Built whole, each given what it talks to; the tiers first, handed down to what calls them.
         self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size), POLICIES[config.policy](),
-                                config.tenant_share)
+                                config.tenant_share, events=bool(config.events), mirror=self.lookup_indexes,
+                                journal=self.warm)
         if (why := fit_warning(config.pool_size, config.slab_size)) is not None:
             log.warning("%s", why)  # status counts the blocks the slabs hold, not the pool's size
-        self.index.record_events = bool(config.events)
         self.event_seq = 0  # last block-event message number published
         self.swap = SwapTable(self.index, int(config.pool_size * config.swap_max))
-        self.lookup_indexes = start_lookup_indexes(config)
-        self.index.mirror = self.lookup_indexes
+        self.crcs: dict[int, int] = {}  # pool offset -> crc32 of its committed bytes (copies, tiers, warm)
+        crcs = self.crcs if config.checksums else None
         try:
             self.gpu = start_gpu(self.pool, config)
         except StartupError as exc:  # gpu = on and CUDA cannot serve
@@ -118,31 +121,28 @@ class Daemon:
         except ValueError as exc:
             self._abort_start(str(exc))
         self.listener = Listener(config, owns_path=self._lock_fd is not None)
-        self.guard = ConnectionGuard(self.listener.router, self._lock_fd is not None and config.socket or "",
-                                     lambda: self.config)
-        self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums or self.warm else None,
-                                 lambda: self.config, self.listener.send, lambda reg: self.sessions.release_if_idle(reg),
-                                 self.counters, self.errors, self.housekeeping.latency)
-        self.sessions = Sessions(lambda: self.config, self.index, self.swap, self.counters,
-                                 self.gpu, self.listener.handover, self.lookup_indexes)
-        self.guard.on_closed = self.sessions.hung_up
-        if self.warm is not None:  # the kept blocks become READY before the first request
-            self.warm.adopt(self.index, self.copies.crcs if config.checksums else None)
-            self.warm.journal.cap_tenants(config.tenant_share)  # its records, like its slabs
-            self.index.journal = self.copies.journal = self.warm
-        self.flushes = Flushes(self.index, self.listener.send, self.counters)
-        self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats, self.flushes)
-        self.dispatcher = Dispatcher(lambda: self.config, self.listener, self.sessions, self.handlers,
-                                     self.guard, lambda: self.stopping, self.counters, self.errors)
+        send, getter = self.listener.send, (lambda: self.config)  # the config: replaced whole on SIGHUP
         from ..remote.bridge import open_remote  # here: redis is imported only when it is used
-        self.disk = self._start_tier(open_disk, config)
-        self.remote = self._start_tier(open_remote, config, cluster_names(config))
-        self.handlers.remote, self.handlers.disk = self.remote, self.disk
-        hooks = [t.committed for t in (self.disk, self.remote) if t is not None]  # write-behind of stores
-        self.copies.on_commit = (hooks[0] if len(hooks) == 1 else (lambda plan: [h(plan) for h in hooks])
-                                 if hooks else None)
-        if self.disk is not None:
-            self.disk.journal = self.warm
+        self.disk = self._start_tier(open_disk, config, self.index, crcs, self.warm)
+        self.remote = self._start_tier(open_remote, config, self.index, send, crcs, cluster_names(config))
+        tiers = [t for t in (self.disk, self.remote) if t is not None]
+        self.sessions = Sessions(getter, self.index, self.swap, self.counters, self.gpu, self.listener.handover,
+                                 self.lookup_indexes, self.disk)
+        self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums or self.warm else None,
+                                 getter, send, self.sessions.release_if_idle, self.counters, self.errors,
+                                 self.housekeeping.latency, crcs=self.crcs, journal=self.warm,
+                                 on_commit=[t.committed for t in tiers])  # the tiers' write-behind
+        self.guard = ConnectionGuard(self.listener.router, self._lock_fd is not None and config.socket or "",
+                                     getter, self.sessions.hung_up)
+        if self.warm is not None:  # the kept blocks become READY before the first request
+            self.warm.adopt(self.index, crcs)
+            self.warm.journal.cap_tenants(config.tenant_share)  # its records, like its slabs
+        self.flushes = Flushes(self.index, send, self.counters)
+        replies = Replies(send, self.errors)
+        self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats, self.flushes,
+                                        replies, lambda: self.stopping, self.disk, self.remote)
+        self.dispatcher = Dispatcher(getter, self.listener, self.sessions, self.handlers, self.guard, replies,
+                                     lambda: self.stopping, self.counters)
         self.signals = Waker()
         try:
             self.housekeeping.start_metrics()
@@ -163,11 +163,10 @@ class Daemon:
     # ---- startup ------------------------------------------------------------------
     def _start_tier(self, open_tier, config: DaemonConfig, *args):
         """The disk tier (disk.setup) or the remote tier (remote.bridge) behind this pool, or None
-        when off. It answers some lookups and loads later: through ``send``, or by re-running
-        a load at the dispatch point once the blocks it read are in the pool."""
+        when off. It answers some lookups later through ``send`` (remote), and hands a load it
+        took back to the load path once its blocks are in the pool (daemon/pending.py)."""
         try:
-            return open_tier(config, self.segment.buffer, self.index, self.listener.send, self.dispatcher.handle,
-                             self.copies.crcs if config.checksums else None, *args)
+            return open_tier(config, self.segment.buffer, *args)
         except ImportError as exc:
             self.shutdown()
             raise StartupError(str(exc)) from None

@@ -64,14 +64,15 @@ def cache_quota(asked: int, config: DaemonConfig) -> int | float:
 
 
 class Sessions:
-    def __init__(self, settings: Callable[[], DaemonConfig], index: BlockIndex, swap: SwapTable,
-                 counters: Counter, gpu=None, handover=None, lookup_indexes=None):
-        self.settings, self.index, self.swap = settings, index, swap
+    def __init__(self, config: Callable[[], DaemonConfig], index: BlockIndex, swap: SwapTable,
+                 counters: Counter, gpu=None, handover=None, lookup_indexes=None, disk=None):
+        self.config, self.index, self.swap = config, index, swap  # config: a getter (SIGHUP replaces it)
         self.counters, self.gpu, self.handover, self.lookup_indexes = counters, gpu, handover, lookup_indexes
+        self.disk = disk  # the disk tier (kvtier/disk/bridge.py), or None: namespaces on disk count too
         self.clients: dict[bytes, ClientState] = {}
         self.mappings: Counter = Counter()  # uid (None: TCP) -> memory mappings its registrations hold
         self._next_client = self._next_reg = 0
-        if settings().swap_quota == 0:  # an older config's 0 meant "no cap": say what it means now
+        if config().swap_quota == 0:  # an older config's 0 meant "no cap": say what it means now
             log.warning('swap_quota = 0: no cache may swap requests out (swap_quota = "" is no cap)')
 
     # ---- HELLO / BYE -------------------------------------------------------------------
@@ -79,7 +80,7 @@ class Sessions:
         """``peer``: the kernel's credentials of the connection (None: remote/TCP).
         A local session's pid is the kernel's; the pid in HELLO is ignored then.
         ``conn_fd``: the connection's descriptor (the session ends when it closes)."""
-        config = self.settings()
+        config = self.config()
         if msg.version != m.PROTOCOL_VERSION:
             raise DaemonError(ErrorCode.VERSION_MISMATCH, f"client speaks v{msg.version}, daemon v{m.PROTOCOL_VERSION}")
         if config.token and not hmac.compare_digest(msg.token.encode(), config.token.encode()):
@@ -117,7 +118,7 @@ class Sessions:
                 ticket.close()
 
     def _register(self, client: ClientState, msg: m.Register, fds: list[int]) -> m.Registered:
-        config = self.settings()
+        config = self.config()
         if not 0 < len(msg.namespace) <= 1024:
             raise DaemonError(ErrorCode.BAD_ARGUMENT, "namespace fingerprint must be 1..1024 chars")
         if not 1 <= msg.block_factor <= 1024:
@@ -214,7 +215,7 @@ class Sessions:
         reach the cap, as before."""
         prefix = ns_key(tenant, "")
         ram = {ns.key for ns in self.index.namespaces_matching(lambda k: k.startswith(prefix))}
-        disk = self.index.lower  # the disk tier, when on (kvtier/disk/bridge.py)
+        disk = self.disk
         on_disk = {k for k in disk.namespace_keys() if k.startswith(prefix)} if disk is not None else set()
         if key in on_disk:
             return  # counted already
@@ -242,7 +243,7 @@ class Sessions:
 
     # ---- reaping -------------------------------------------------------------------------
     def reap_dead(self) -> None:
-        now, limit = time.monotonic(), self.settings().reap_after_s
+        now, limit = time.monotonic(), self.config().reap_after_s
         for c in list(self.clients.values()):
             try:
                 alive = c.process_alive()

@@ -15,8 +15,9 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
   flush_keys(keys)     a flush of namespaces that may be on disk only (after a restart)
   namespace_keys(), oldest_first(keys), drop_namespaces(keys)
                        max_namespaces_per_user counts disk namespaces too (daemon/sessions.py)
-  load(...) -> bool    the load names disk blocks the pool lacks (loads.py: read them
-                       into the pool, then run the load again); True = answered later
+  load(ns, pending) -> bool  the load names disk blocks the pool lacks (loads.py: read
+                       them into the pool, then hand the load back: ``pending.land()``);
+                       True = answered later
   cancel(...) -> bool  a Cancel names a load waiting on the disk: answered failed now
   poll()               the I/O wakeup fd is readable: finish what completed
 
@@ -48,14 +49,12 @@ FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us 
 
 
 class DiskBridge:
-    def __init__(self, io: DiskIO, dindex: DiskIndex, index, send, redispatch, timeout_s: float,
-                 queue_bytes: int, crcs: dict | None = None, backlog_bytes: int | None = None):
+    def __init__(self, io: DiskIO, dindex: DiskIndex, index, timeout_s: float, queue_bytes: int,
+                 crcs: dict | None = None, backlog_bytes: int | None = None, journal=None):
         self.io, self.dindex, self.index = io, dindex, index
-        self.send = send                # (identity, request id, reply) -> None
-        self.redispatch = redispatch    # (identity, frame) -> None: the daemon's dispatch point
         self.timeout_s, self.queue_bytes = timeout_s, queue_bytes
         self.crcs = crcs                # the daemon's checksum table, when checksums are on
-        self.journal = None             # warm restart: blocks read back are journaled like stores
+        self.journal = journal          # warm restart: blocks read back are journaled like stores
         self.counters: Counter = Counter()
         self.queued = 0                 # write-behind bytes held in the pool
         self.backlog = WriteBacklog(backlog_bytes or queue_bytes * 4)  # committed, waiting for queue room
@@ -64,7 +63,7 @@ class DiskBridge:
         # dropped); forgotten with its last job, so cycling namespaces leaves nothing behind.
         self.generation: Counter = Counter()
         self.in_flight: Counter = Counter()  # ns key -> blocks being written or read
-        self.loads = DiskLoads(self, send, redispatch)  # loads waiting for disk reads (loads.py)
+        self.loads = DiskLoads(self)    # loads waiting for disk reads (loads.py)
         self.load, self.cancel, self.waiting = self.loads.load, self.loads.cancel, self.loads.waiting
         self.scanning = True
         self.scan_started = time.monotonic()

@@ -2,15 +2,15 @@
 
 A load naming disk blocks the pool lacks allocates slots for them
 (invisible, like a store in progress), has the I/O threads read and verify
-them, commits the good ones, then runs the load again at the daemon's
-dispatch point as an ordinary RAM load. A load needing blocks another load
+them, commits the good ones, then hands the load back to the path that asked
+(``PendingLoad.land``: the remote tier next, then a copy from RAM). A load needing blocks another load
 is reading waits for that read. A load whose reads are not done after
 ``timeout_s`` is answered without them (those blocks fail; RAM hits are
 served); its slots stay reserved until the reads returned. A disk with a
 read stuck past ``timeout_s`` takes no new loads until it answers: they fail
 at once. Disk blocks are never written back by a load (they are on disk).
 
-Primitives: ``DiskLoads(tier, send, redispatch)``, ``.load(identity, req_id, msg, ns, keys, uid) -> bool``,
+Primitives: ``DiskLoads(tier)``, ``.load(ns, pending) -> bool``,
 ``.cancel(identity, req_id) -> bool``, ``.waiting(uid) -> int``, ``.read(job)`` (its reads returned),
 ``.expired(job)`` (past its deadline), ``.by_request``, ``.waiting_for``.
 """
@@ -20,56 +20,50 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from ..protocol import messages as m
-from ..protocol.arrays import pack_ids
-from ..protocol.codec import encode
 
-
-class PendingLoad:
+class DiskWait:
     """A load waiting for disk reads: its own, and reads other loads started for blocks it needs.
     It counts toward its user's ``max_transfers_per_user`` until answered (``DiskBridge.waiting``)."""
-    __slots__ = ("identity", "req_id", "msg", "present", "count", "waits", "uid", "answered", "cancelled")
+    __slots__ = ("load", "present", "waits", "answered")
 
-    def __init__(self, identity, req_id, msg, present, count, waits, uid):
-        self.identity, self.req_id, self.msg = identity, req_id, msg
-        self.present, self.count, self.waits, self.uid = present, count, waits, uid
-        self.answered = self.cancelled = False
+    def __init__(self, load, present, waits):
+        self.load, self.present, self.waits = load, present, waits  # load: the daemon's PendingLoad
+        self.answered = False
 
 
 class DiskLoads:
-    def __init__(self, tier, send, redispatch):
+    def __init__(self, tier):
         # tier: the DiskBridge: its io, dindex, index, timeout_s, counters, crcs, journal, and the
         # per-namespace flight bookkeeping shared with writes (generation, in_flight, landed, emptied).
-        self.tier, self.send, self.redispatch = tier, send, redispatch
-        self.waiting_for: dict = {}     # read job -> [PendingLoad waiting for it]
+        self.tier = tier
+        self.waiting_for: dict = {}     # read job -> [DiskWait waiting for it]
         self.reading: dict = {}         # (ns key, block key) -> the read job bringing it into the pool
-        self.by_request: dict = {}      # (identity, request id) -> PendingLoad
+        self.by_request: dict = {}      # (identity, request id) -> DiskWait
         self.by_user: Counter = Counter()  # uid -> its loads waiting (admission counts them)
-        self.local_only: set = set()    # (identity, request id) of loads being re-run after the reads
 
-    def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes], uid=None) -> bool:
-        """``uid``: the requesting user, whose transfer cap a waiting load counts toward."""
-        if (identity, req_id) in self.local_only:
-            return False
+    def load(self, ns, pending) -> bool:
+        """Read the disk blocks of ``pending``'s chain the pool lacks; True when it waits for them.
+        ``pending.uid``: the requesting user, whose transfer cap a waiting load counts toward."""
+        keys, prefix = pending.keys, pending.prefix
         fp = ns.key
         on_disk = self.tier.dindex.entries_of(fp)
         if on_disk is None:
             return False
         index, reading = self.tier.index, self.reading
         wanted, waits = [], set()  # to read; reads in flight for other loads that this one waits for
-        for k in (keys if msg.prefix else dict.fromkeys(keys)):
+        for k in (keys if prefix else dict.fromkeys(keys)):
             job = reading.get((fp, k))
             if job is not None and job.expired:
                 # Its read is stuck past the deadline (set by the clock thread; a read of a bool):
                 # waiting on it would hold this load until the disk answers, not disk_timeout_s.
                 self.tier.counters["fail_fast"] += 1
-                if msg.prefix:
+                if prefix:
                     break
             elif job is not None:
                 waits.add(job)
             elif k in on_disk and not index.holds(fp, k):
                 wanted.append(k)
-            elif msg.prefix and index.ready_entry(ns, k) is None:
+            elif prefix and index.ready_entry(ns, k) is None:
                 break  # only the chain's prefix is wanted: read the disk blocks in it
         if not wanted and not waits:
             return False
@@ -88,11 +82,11 @@ class DiskLoads:
         if not waits:
             self.tier.index.unpin(present)
             return False
-        p = PendingLoad(identity, req_id, msg, present, len(keys), waits, uid)
+        w = DiskWait(pending, present, waits)
         for job in waits:
-            self.waiting_for[job].append(p)
-        self.by_request[(identity, req_id)] = p
-        self.by_user[uid] += 1
+            self.waiting_for[job].append(w)
+        self.by_request[(pending.identity, pending.req_id)] = w
+        self.by_user[pending.uid] += 1
         return True
 
     def waiting(self, uid) -> int:
@@ -117,30 +111,24 @@ class DiskLoads:
 
     def cancel(self, identity: bytes, req_id: int) -> bool:
         """The client cancels a load waiting on the disk: answered failed now, nothing copied."""
-        p = self.by_request.get((identity, req_id))
-        if p is None:
+        w = self.by_request.get((identity, req_id))
+        if w is None:
             return False
-        p.cancelled = True
-        self._answer(p)
+        w.load.cancel()
+        self._answer(w)
         return True
 
-    def _answer(self, p: PendingLoad) -> None:
-        if p.answered:
+    def _answer(self, w: DiskWait) -> None:
+        if w.answered:
             return
-        p.answered = True
+        w.answered = True
+        p = w.load
         self.by_request.pop((p.identity, p.req_id), None)
-        self.by_user[p.uid] -= 1  # before the re-run below is admitted: it takes this load's place
+        self.by_user[p.uid] -= 1  # before the load goes on and is admitted: it takes this wait's place
         if not self.by_user[p.uid]:
             del self.by_user[p.uid]
-        self.tier.index.unpin(p.present)
-        if p.cancelled:  # the engine may reuse its blocks already: copy nothing into them
-            self.send(p.identity, p.req_id, m.TransferDone(0, 0, pack_ids(range(p.count))))
-            return
-        self.local_only.add((p.identity, p.req_id))
-        try:
-            self.redispatch(p.identity, encode(p.msg, p.req_id))
-        finally:
-            self.local_only.discard((p.identity, p.req_id))
+        self.tier.index.unpin(w.present)
+        p.land()  # the load path goes on (or answers a cancelled load failed)
 
     def read(self, job) -> None:
         """The reads returned: commit what verified, forget files that did not, answer the loads
@@ -171,13 +159,13 @@ class DiskLoads:
         waiting = self.waiting_for.pop(job)
         self.tier.counters.update(loaded=len(job.ok), load_failed=len(failed),
                              late=len(job.ok) if job.expired else 0)
-        for p in waiting:
-            p.waits.discard(job)
-            if not p.waits:
-                self._answer(p)
+        for w in waiting:
+            w.waits.discard(job)
+            if not w.waits:
+                self._answer(w)
 
     def expired(self, job) -> None:
         """Its reads are past the deadline: the loads waiting for it go on without its blocks."""
         self.tier.counters["timed_out"] += len(job.items)
-        for p in self.waiting_for.get(job, ()):
-            self._answer(p)
+        for w in self.waiting_for.get(job, ()):
+            self._answer(w)

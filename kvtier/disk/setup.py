@@ -9,7 +9,7 @@ The block files themselves are 0600 and read only when owned by the
 daemon's user (``io.check_file``).
 
 Primitives: ``check_dir(path) -> str`` (the absolute path; ValueError says why),
-``open_disk(config, pool, index, send, redispatch, crcs) -> DiskBridge | None``.
+``open_disk(config, pool, index, crcs, journal) -> DiskBridge | None`` (attached below ``index``).
 """
 
 from __future__ import annotations
@@ -61,15 +61,16 @@ def check_dir(path: str) -> str:
     return root
 
 
-def open_disk(config, pool, index, send, redispatch, crcs: dict | None) -> DiskBridge | None:
-    """The disk tier under ``index`` (its ``lower``), or None when ``disk_path`` is off."""
+def open_disk(config, pool, index, crcs: dict | None, journal=None) -> DiskBridge | None:
+    """The disk tier under ``index`` (attached as its lower tier), or None when ``disk_path`` is off.
+    ``journal``: warm restart's, which records blocks read back like stores."""
     if not config.disk_path:
         return None
     root = check_dir(config.disk_path)
     io = DiskIO(root, pool, config.disk_threads)
-    bridge = DiskBridge(io, DiskIndex(config.disk_size, config.tenant_share), index, send, redispatch, config.disk_timeout_s,
-                        min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size)
-    index.lower = bridge
+    bridge = DiskBridge(io, DiskIndex(config.disk_size, config.tenant_share), index, config.disk_timeout_s,
+                        min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size, journal=journal)
+    index.attach_lower(bridge)  # the one late link: the bridge is built over the index it extends
     log.info("disk tier %s: %s, %d I/O threads, loads wait at most %.2fs; scanning its files",
              root, format_size(config.disk_size), config.disk_threads, config.disk_timeout_s)
     return bridge

@@ -8,10 +8,11 @@ The daemon calls it at four points (marked ``# remote tier hook`` there):
                        (pinned in the pool, at most ``queue_bytes``) as it frees
   lookup(...) -> bool  the local READY prefix ended early: ask the store how far
                        the chain goes on; True = the Hits reply comes from here
-  load(...) -> bool    the load names blocks this pool lacks: allocate them
-                       (invisible, like a store in progress), fetch and verify
-                       them, commit the good ones, then run the load again
-                       locally; True = the reply comes from that second run
+  load(ns, pending) -> bool  the load names blocks this pool lacks: allocate
+                       them (invisible, like a store in progress), fetch and
+                       verify them, commit the good ones, then hand the load
+                       back to the path that asked (``pending.land()``: a copy
+                       from RAM); True = the reply comes from there
   cancel(...) -> bool  a Cancel names a load whose blocks are being fetched: the
                        fetch stops, the load is answered failed without a copy
   poll()               the tier's wakeup fd is readable: finish what completed,
@@ -30,7 +31,7 @@ than the whole allowance). While the store is unreachable the backlog waits
 Blocks that arrive from the store are committed as ordinary pool blocks
 (lookups see them, block events announce them, eviction may drop them) but are
 never written back. A block the store lost or that fails verification is
-dropped before commit, so the load's second run reports it failed.
+dropped before commit, so the load, back on its path, reports it failed.
 
 Only namespaces of tenants the operator named (config ``tenants``) cross
 nodes, under that name: a user listed nowhere is tenant ``uid<N>`` on this
@@ -46,8 +47,6 @@ from ..disk.schedule import WriteBacklog
 from ..pool.index import BlockIndex
 from ..pool.keys import owner_of, split_key
 from ..protocol import messages as m
-from ..protocol.arrays import pack_ids
-from ..protocol.codec import encode
 from .secret import load_secret
 from .settings import RemoteSettings
 from .tier import RemoteTier
@@ -56,14 +55,12 @@ log = logging.getLogger("kvtier.remote")
 
 
 class RemoteBridge:
-    def __init__(self, tier: RemoteTier, index: BlockIndex, send, redispatch, crcs: dict | None = None,
+    def __init__(self, tier: RemoteTier, index: BlockIndex, send, crcs: dict | None = None,
                  cluster_name=lambda key: key, backlog_bytes: int | None = None):
         self.tier, self.index = tier, index
-        self.send = send                # (identity, request id, reply) -> None
-        self.redispatch = redispatch    # (identity, frame) -> None: the daemon's dispatch point
+        self.send = send                # (identity, request id, reply) -> None: lookups' Hits
         self.crcs = crcs                # the daemon's checksum table, when checksums are on
         self.cluster_name = cluster_name  # namespace key -> name across nodes, or None (local only)
-        self.local_only: set = set()    # (identity, request id) of loads being re-run after a fetch
         self.fetching: dict = {}        # (identity, request id) -> the fetch job of a load
         self.unnamed: set[str] = set()  # tenants already logged as local-only
         self.backlog = WriteBacklog(backlog_bytes or tier.settings.queue_bytes * 4)  # committed, not yet queued
@@ -154,9 +151,12 @@ class RemoteBridge:
         name = self._name(ns)
         return name is not None and self.tier.probe(name, keys[hits:], ("lookup", identity, req_id, hits))
 
-    def load(self, identity: bytes, req_id: int, msg, ns, keys: list[bytes]) -> bool:
-        if (identity, req_id) in self.local_only or not self.tier.available():
+    def load(self, ns, pending) -> bool:
+        """Fetch the blocks of ``pending`` the pool lacks; True when it waits for them. A
+        lookup-and-load (prefix) is not fetched: its lookup already asked the store."""
+        if pending.prefix or not self.tier.available():
             return False
+        keys = pending.keys
         name = self._name(ns)
         if name is None:
             return False
@@ -168,11 +168,11 @@ class RemoteBridge:
         self.index.pin(present)
         plan = self.index.prepare_store(ns, missing)
         got = [e for e in plan.entries if e is not None]
-        token = ("load", identity, req_id, msg, plan, present, len(keys))
+        token = ("load", pending, plan, present)
         job = self.tier.fetch(name, [e.key for e in got], [e.offset for e in got], ns.block_bytes,
                               token) if got else None
         if job is not None:
-            self.fetching[(identity, req_id)] = job
+            self.fetching[(pending.identity, pending.req_id)] = job
             return True
         self.index.complete_store(plan, failed=range(len(plan.entries)))  # no room: load locally
         self.index.unpin(present)
@@ -203,10 +203,10 @@ class RemoteBridge:
 
     # ---- loads ---------------------------------------------------------------------------
     def _finish_load(self, job) -> None:
-        """Commit the verified blocks, release the chain, answer through a local load
-        (or, when the client cancelled meanwhile, answer every block failed)."""
-        _, identity, req_id, msg, plan, present, count = job.token
-        self.fetching.pop((identity, req_id), None)
+        """Commit the verified blocks, release the chain, hand the load back to its path
+        (which, when the client cancelled meanwhile, answers every block failed)."""
+        _, pending, plan, present = job.token
+        self.fetching.pop((pending.identity, pending.req_id), None)
         failed = set(job.failed)
         fetched = [i for i, e in enumerate(plan.entries) if e is not None]
         self.index.complete_store(plan, failed=[fetched[j] for j in failed])
@@ -214,16 +214,11 @@ class RemoteBridge:
         if self.crcs is not None:
             self.crcs.update(job.crcs)
         if job.cancelled:  # the engine may reuse its blocks already: copy nothing into them
-            self.send(identity, req_id, m.TransferDone(0, 0, pack_ids(range(count))))
-            return
-        self.local_only.add((identity, req_id))
-        try:
-            self.redispatch(identity, encode(msg, req_id))
-        finally:
-            self.local_only.discard((identity, req_id))
+            pending.cancel()
+        pending.land()
 
 
-def open_remote(config, pool, index: BlockIndex, send, redispatch, crcs: dict | None,
+def open_remote(config, pool, index: BlockIndex, send, crcs: dict | None,
                 cluster_name=lambda key: key) -> RemoteBridge | None:
     """The bridge for ``config.remote``, or None when the remote tier is off.
     Raises ``SecretError`` (a ValueError saying why) when the secret file is
@@ -244,4 +239,4 @@ def open_remote(config, pool, index: BlockIndex, send, redispatch, crcs: dict | 
              settings.display, settings.ttl_s, settings.budget or "none", settings.queue_bytes,
              config.remote_secret_file)
     # The backlog names at most the pool's worth of blocks: more could not be in RAM to write.
-    return RemoteBridge(tier, index, send, redispatch, crcs, cluster_name, backlog_bytes=config.pool_size)
+    return RemoteBridge(tier, index, send, crcs, cluster_name, backlog_bytes=config.pool_size)

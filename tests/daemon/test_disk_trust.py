@@ -18,12 +18,17 @@ import threading
 import time
 
 import pytest
+import torch
+import zmq
 
+from kvtier.protocol import ErrorCode, decode, encode, pack_hashes, pack_ids
+from kvtier.protocol import messages as m
 from tests.conftest import REPO, DaemonProc
+from tests.daemon.test_bad_input import ask, code_of, hello_and_register
 from tests.daemon.test_disk_attacks import file_of, needs_root, restarted, store_to_disk
 from tests.daemon.test_disk_tier import chain, disk_env, scanned, written
 from tests.daemon.test_reaping import wait_for
-from tests.helpers import NS, make_kv
+from tests.helpers import NS, block_bytes, make_kv
 
 VICTIM, ATTACKER = 41031, 41032
 WORKER = os.path.join(REPO, "tests", "daemon", "disk_worker.py")
@@ -220,3 +225,50 @@ def test_another_tenant_filling_the_write_queue_loses_none_of_the_victims_blocks
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q", "-s"]))
+
+
+# ---- a load the disk held goes back to the load path, not to the dispatch point ----------------
+@needs_root
+def test_a_load_whose_cache_closes_while_the_disk_reads_gets_a_typed_error_and_the_daemon_serves_on(
+        daemon_factory, tmp_path):
+    """A load waiting on a (hung) disk read is handed back to the load path when the
+    disk answers (daemon/pending.py), checked once on the way in. Hostile input: a
+    bad load is refused before anything is read; a load whose cache is unregistered
+    while it waits is answered ``UNKNOWN_NAMESPACE`` under its own request id, typed,
+    never a crash; afterwards a fresh client loads the blocks the disk read byte-exact
+    (the FIFO that stood in for block 0 was no block file: it is gone, that block fails)."""
+    root = tmp_path / "disk"
+    env = disk_env(root, "16MiB", disk_timeout_s=60)
+    kv = make_kv(seed=64)
+    hs = chain(64, 4)
+    d0 = daemon_factory(env=env)
+    want = store_to_disk(d0, kv, hs)
+    d0.stop()
+    d = restarted(daemon_factory, tmp_path, env)
+    fifo = hang(root, hs[0])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 20000)
+    sock.connect("ipc://" + d.socket)
+    try:
+        reg = hello_and_register(sock, kv, d.socket)
+        _, reply = ask(sock, encode(m.Load(reg, pack_hashes(hs), pack_ids(range(4)), skip=5), 3))
+        assert code_of(reply) == ErrorCode.BAD_ARGUMENT
+        assert d.stats()["disk"]["reads_in_flight"] == 0  # refused before any read
+        sock.send(encode(m.Load(reg, pack_hashes(hs), pack_ids(range(4))), 4))  # waits on the hung read
+        assert wait_for(lambda: d.stats()["disk"]["loads_waiting"] == 1)
+        assert isinstance(ask(sock, encode(m.Unregister(reg), 5))[1], m.Ok)
+        answer(fifo)
+        rid, reply = decode(sock.recv())
+        assert rid == 4 and code_of(reply) == ErrorCode.UNKNOWN_NAMESPACE
+        assert d.stats()["disk"]["loads_waiting"] == 0
+    finally:
+        sock.close(0)
+    fresh = make_kv(seed=65)
+    with d.client(name="engine") as c:
+        c.register_kv_cache(fresh, [0] * 4, NS)
+        r = c.load(hs, list(range(4))).wait()
+        assert r.failed == (0,) and r.done == 3
+        layers = len(fresh.tensors)
+        assert all(torch.equal(a, b) for a, b in zip(want[layers:], block_bytes(fresh, range(1, 4))))
+    assert d.stats()["disk"]["rejected"] == 1  # and the daemon still answers

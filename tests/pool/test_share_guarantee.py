@@ -36,12 +36,11 @@ class Tenants:
     """The pool, its swap and its journal, with one victim already holding its guarantee."""
 
     def __init__(self, share: float):
-        self.index = BlockIndex(SlabAllocator(POOL, SLAB), share=share)
-        self.swap = SwapTable(self.index, POOL // 2)
         self.warm = WarmPool(DaemonConfig())
         self.warm.journal = Journal.create(memoryview(bytearray(journal_bytes(POOL))), POOL, SLAB)
         self.warm.journal.cap_tenants(share)
-        self.index.journal = self.warm
+        self.index = BlockIndex(SlabAllocator(POOL, SLAB), share=share, journal=self.warm)
+        self.swap = SwapTable(self.index, POOL // 2)
         limit = self.index.tenants.limit_slabs
         self.guaranteed = min(limit, SLABS - limit) * (SLAB // VICTIM_BLOCK)
         self.victim = self.index.namespace(f"victim{SEP}m", VICTIM_BLOCK)
