@@ -10,12 +10,14 @@ batches in turn (A, B, B, A, A, B, ...) so both see the same load. One iteration
 store 8 new 16 KiB blocks and wait, load them into other engine blocks and
 wait, look the 8 keys up (over the socket; with ``--lookup-index`` in the
 daemon's shared-memory mirror, no round trip: what is left is the client's
-own Python, the part the split touched most). Reported per operation: the
+own Python, the part the split touched most; with ``--disk`` the daemon has a
+disk tier, so every load is first offered to it - the lower-tier load path
+issue 31 item 4 rebuilt - and finds its blocks in RAM). Reported per operation: the
 median and p90 of every call, and the median over rounds of each round's
 ratio of medians to the first tree's.
 
     python scripts/bench_roundtrip.py --tree before=/tmp/a --tree after=/tmp/b [--rounds 8] [--calls 200]
-        [--lookup-index]
+        [--lookup-index] [--disk]
 """
 
 from __future__ import annotations
@@ -23,16 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 OPS = ("store", "load", "lookup")
 BLOCKS = 8  # per call
 
 
-def worker(tree: str, mirror: bool) -> None:
+def worker(tree: str, mirror: bool, disk: bool = False) -> None:
     """One checkout's side: a daemon and a client, batches on request (stdin: a call count per line)."""
     sys.path.insert(0, tree)
     import torch
@@ -45,6 +49,9 @@ def worker(tree: str, mirror: bool) -> None:
     kv = ShmKVCache([(64, 2, 16, 2, 32)] * 4, torch.float16)  # 16 KiB blocks
     n = 0
     env = {"KVTIER_LOOKUP_INDEX": "true"} if mirror else {}
+    root = tempfile.mkdtemp(prefix="kvtier-bench-rt-") if disk else None  # the disk tier on under every load
+    if root:
+        env.update(KVTIER_DISK_PATH=root, KVTIER_DISK_SIZE="256MiB")
     with PrivateDaemon(pool_size="64MiB", slab_size="4MiB", env=env, timeout=300) as d, \
             Client(d.socket, name="bench") as c:
         c.register_kv_cache(kv, [0] * 4, ns)
@@ -65,6 +72,8 @@ def worker(tree: str, mirror: bool) -> None:
                     times[op].append(dt)
             print(json.dumps(times), flush=True)
     kv.close()
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> None:
@@ -73,6 +82,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=200, help="iterations per batch")
     p.add_argument("--lookup-index", action="store_true", help="the daemon mirrors ready keys in shared memory")
+    p.add_argument("--disk", action="store_true", help="the daemon has a disk tier (every load offered to it)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
@@ -81,6 +91,7 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": os.path.abspath(path)}
         procs[name] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--tree", args.tree[0],
                                         *(["--lookup-index"] if args.lookup_index else []),
+                                        *(["--disk"] if args.disk else []),
                                         "--worker", os.path.abspath(path)], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True, env=env, cwd=os.path.abspath(path))
     for name, proc in procs.items():
@@ -108,7 +119,8 @@ def main() -> None:
         proc.wait(60)
     print(f"load average (1 min) during the run: {min(load):.2f}-{max(load):.2f}; "
           f"{args.rounds} rounds x {args.calls} calls per tree and operation; "
-          f"lookups {'in the shared-memory mirror' if args.lookup_index else 'over the socket'}")
+          f"lookups {'in the shared-memory mirror' if args.lookup_index else 'over the socket'}"
+          f"{'; disk tier on' if args.disk else ''}")
     print("| tree | op | median us | p90 us | median of per-round ratio to " + base + " |")
     print("|---|---|---:|---:|---:|")
     for name in names:
@@ -120,6 +132,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[sys.argv.index("--worker") + 1], "--lookup-index" in sys.argv)
+        worker(sys.argv[sys.argv.index("--worker") + 1], "--lookup-index" in sys.argv, "--disk" in sys.argv)
     else:
         main()
