@@ -120,7 +120,7 @@ class WTinyLFU:
 
     def _admit_tail(self, new: list) -> None:
         """The request's new blocks leave the window together: all in, or all dropped."""
-        if len(self.main) + len(new) > self.mcap:
+        if self.main and len(self.main) + len(new) > self.mcap:
             victim = next(iter(self.main))
             if self.sketch.count(new[0]) <= self.sketch.count(victim):
                 for b in new:

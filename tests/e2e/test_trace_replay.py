@@ -61,7 +61,8 @@ def test_every_policy_lies_between_nothing_and_the_offline_bound():
     assert tracesim.hit_ratio("infinite", 0, chains) == pytest.approx((0 + 2 + 0 + 3 + 2 + 0 + 3 + 2) / refs)
     for cap in (1, 2, 3, 4, 6):
         bound = tracesim.hit_ratio("belady", cap, chains)
-        for policy in ("lru", "lru2", "lrfu", "arc", "lfu", "oracle-ever", "oracle-count"):
+        for policy in ("lru", "lru2", "lrfu", "arc", "lfu", "oracle-ever", "oracle-count", "children", "leaf-first",
+                       "wtinylfu", "wtinylfu-tail", "ram+disk", "lru-combined"):
             assert 0 <= tracesim.hit_ratio(policy, cap, chains) <= bound + 1e-12, (policy, cap)
     # Two blocks of LRU hold [1, 2] through the next request (the chain's tail goes first).
     assert tracesim.hit_ratio("lru", 2, [[1, 2, 3], [1, 2, 4]]) == pytest.approx(2 / 6)
@@ -88,3 +89,22 @@ def test_a_disk_size_that_is_no_positive_number_of_pools_is_refused_before_any_r
                           env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "--disk-x" in proc.stderr
+
+
+def test_leaf_first_keeps_a_document_head_that_lru_lets_go_for_unshared_tails():
+    """Two questions on document 1, then three one-block requests: LRU drops the head
+    by age; leaf-first drops the unshared blocks first and the third question hits."""
+    chains = [[1, 2], [1, 3], [4], [5], [6], [1, 7]]
+    assert tracesim.hit_ratio("lru", 3, chains) == pytest.approx(1 / 9)
+    assert tracesim.hit_ratio("leaf-first", 3, chains) == pytest.approx(2 / 9)
+
+
+def test_tinylfu_turns_away_a_first_seen_block_when_the_victim_was_seen_more():
+    """Frequency-gated admission: the window is one block, the main part two; a block
+    seen once does not displace a block seen three times."""
+    import tracepolicies
+
+    cache = tracepolicies.WTinyLFU(3)
+    for ids in ([1], [1], [1], [2], [3], [4]):
+        cache.request(ids)
+    assert 1 in cache and 4 in cache  # 4 in the window; 2 or 3 turned away, 1 kept
