@@ -36,8 +36,10 @@ and holds the capacity rounded up to 16 (printed). Scenarios:
                    as the trace's seconds between requests would let it
 Printed per scenario and capacity: the hit ratio (blocks loaded over blocks
 requested), the daemon's own hit count, the references, lookup/load/store
-p50/p99 and requests/s. Hit ratios do not depend on the machine; latencies
-do (one request at a time, engines and daemons on the same cores).
+p50/p99 and requests/s. Hit ratios do not depend on the machine (the disk
+rows' only with the wait for writes: with ``--no-drain`` a busy machine's
+disk falls behind and loses blocks); latencies do (one request at a time,
+engines and daemons on the same cores).
 """
 
 from __future__ import annotations
