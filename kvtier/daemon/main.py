@@ -9,6 +9,7 @@ and environment and applies the keys that are safe to change live.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -66,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kvtier.daemon").error("cannot start: %s", exc)
         notifier.status(f"cannot start: {exc}")
         return exc.exit_code
+    # What exists now lives as long as the daemon: torch's and the other modules' ~170k objects
+    # and, after a warm restart, the adopted index. Frozen, CPython's full collections stop
+    # walking them: a full pass over a started daemon's objects took 1.02 s (load 10) before,
+    # 0 after. No collection first: what start-up left as garbage is bounded and freed never.
+    gc.freeze()
     daemon.install_signals()
     signal.signal(signal.SIGHUP, daemon.request_reload)
     daemon.serve_forever(ready=daemon.notify_ready)
