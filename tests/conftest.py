@@ -25,7 +25,27 @@ def daemon_pythonpath() -> str:
     return os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
 
 
+# The slowest files first, engine-heavy ones alternating with ones that mostly wait on
+# daemons: the test runner (xdist, --dist loadfile) hands files to its workers in
+# collection order, so a slow file collected late ran alone at the end (a loaded run
+# spent its last 20 minutes on test_vllm.py and the benchmark smoke runs).
+SLOWEST_FIRST = (
+    "integrations/test_vllm.py", "daemon/test_warm_restart.py", "e2e/test_bench_status_smoke.py",
+    "integrations/test_vllm_hybrid.py", "daemon/test_kill_matrix.py", "integrations/test_vllm_contract_033.py",
+    "integrations/test_vllm_contract.py", "daemon/test_disk_tenants.py", "e2e/test_bench_vllm_smoke.py",
+    "integrations/test_vllm_tp.py", "daemon/test_disk_trust.py", "e2e/test_bench_peers_smoke.py",
+    "e2e/test_bench_hf_smoke.py", "e2e/test_benchmarks_smoke.py", "integrations/test_transformers.py",
+    "daemon/test_transfer_finality.py", "daemon/test_share_attacks.py", "daemon/test_tenant_share.py",
+)
+
+
+def _slowness_rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+    return SLOWEST_FIRST.index(path) if path in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slowness_rank)  # stable: a file's own tests keep their order
     try:
         import torch
         has_cuda = torch.cuda.is_available()

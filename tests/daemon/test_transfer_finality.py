@@ -138,7 +138,7 @@ def test_a_drain_past_its_deadline_cancels_and_still_answers(daemon_factory):
         assert d.read_log().count("cancelled (daemon shutting down)") == 2
         fill(src, IDS, 5.0)
         fill(dst, IDS, -5.0)
-        assert d.proc.wait(10) == 0
+        assert d.proc.wait(60) == 0  # a clean exit (a loaded machine took over 10 s to get there)
         assert blocks_equal(src, IDS, 5.0) and blocks_equal(dst, IDS, -5.0)
     src.close()
     dst.close()

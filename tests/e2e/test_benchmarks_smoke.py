@@ -2,35 +2,20 @@
 
 Each runs as a subprocess exactly as a user would (real daemon, real client
 processes) and its report is checked for the keys and values BENCHMARKS.md
-relies on, so a refactor that breaks a script fails here.
+relies on, so a refactor that breaks a script fails here. The engine-heavy ones
+(vLLM, Hugging Face, a TP=2 engine next to `kvtier status`) have files of their own
+(test_bench_vllm_smoke.py, test_bench_hf_smoke.py, test_bench_status_smoke.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
-
-SCRIPTS = os.path.join(REPO, "scripts")
-
-
-def run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=REPO)
-    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc
-
-
-def script(name: str, *args: str) -> str:
-    return run([os.path.join(SCRIPTS, name), *args]).stdout
+from tests.e2e.benchrun import run, script
 
 
 def test_bench_transfer_measures_every_point_of_both_layouts(tmp_path):
@@ -159,75 +144,6 @@ def test_bench_engine_reports_every_row_of_issue_16_as_a_ratio():
     assert [tp["path"] for tp in out["throughput"]] == ["32-hash lookups/s, 2 clients",
                                                         "32-hash lookups/s, 2 clients (lookup_index on)"]
     assert all(tp["kvtier_rps"] > 0 and tp["base_rps"] > 0 for tp in out["throughput"])
-
-
-def test_bench_vllm_fair_benchmark_produces_every_row(tmp_path):
-    """Engines alone, with kvtier and with no daemon, alive side by side with the same
-    settings: every row (miss, no daemon, hit, throughput, daemon killed) comes out,
-    the hit row really loaded from kvtier, and the settings diff names only kvtier's KV mapping."""
-    report = tmp_path / "vllm.json"
-    out = run([os.path.join(SCRIPTS, "bench_vllm.py"), "--quick", "--json", str(report)], timeout=900).stdout
-    data = json.loads(report.read_text())
-    [block] = data["blocks"].values()
-    assert [r["row"] for r in block["rows"]] == ["miss (daemon up)", "no daemon", "hit (loaded from kvtier)",
-                                                 "throughput, miss", "throughput, no daemon"]
-    assert [r["row"] for r in data["killed"]["rows"]] == ["daemon killed mid-run", "throughput, daemon killed"]
-    for r in block["rows"][:3] + data["killed"]["rows"][:1]:
-        assert r["median ms"] > 0 and r["median ratio"] > 0
-    # Every hit-row prompt was loaded from kvtier (all but its last token, which vLLM always computes).
-    assert all(share > 0.8 for share in block["hit_token_share"])
-    # Same engine settings on every side: the OpenMP binding included; only where the KV lives differs.
-    s = data["settings"]
-    assert s["alone"]["torch_threads"] == s["tier"]["torch_threads"] == s["nodaemon"]["torch_threads"]
-    assert data["settings_diff"] and all(k.startswith("kv_cache.mapping.") for k, _ in data["settings_diff"])
-    assert "resolved settings that differ" in out and "miss (daemon up) |" in out
-
-
-def test_bench_hf_side_by_side_produces_every_row():
-    """Plain HF, HF with kvtier and HF with no daemon, alive side by side with the same
-    settings: the no-reuse and cache-pressure tables (tokens checked identical in every run)
-    and the second-process TTFT line all come out."""
-    out = run([os.path.join(SCRIPTS, "bench_hf.py"), "--quick"], timeout=600).stdout
-    assert "differing: none" in out
-    for title, engines in (("### no reuse, no cache pressure", ("plain", "tier", "nodaemon")),
-                           ("### cache pressure", ("plain", "tier"))):
-        section = out[out.index(title):].split("\n\n")[1]
-        rows = [ln for ln in section.splitlines() if ln.startswith("|")][2:]
-        assert [ln.split("|")[1].strip() for ln in rows] == list(engines)
-        assert "tokens identical to plain HF in every run" in out[out.index(title):].splitlines()[0]
-    assert "RESULT second-process TTFT median" in out
-
-
-def test_bench_hf_nodaemon_counts_every_hook_and_compares_every_way(tmp_path):
-    """Plain HF, plain HF on memfd pages, kvtier with no daemon and with one, in one
-    process at toy sizes: the same tokens every way (the script exits otherwise), every
-    way timed, and with no daemon kvtier neither stores, hashes nor looks anything up."""
-    report = tmp_path / "hf.json"
-    run([os.path.join(SCRIPTS, "bench_hf_nodaemon.py"), "--runs", "1", "--start-reps", "1", "--requests", "4",
-         "--prompt-min", "16", "--prompt-max", "40", "--new-tokens", "4", "--hidden", "128", "--layers", "2",
-         "--json", str(report)], timeout=600)
-    data = json.loads(report.read_text())
-    assert set(data["runs"]) == {"plain", "memfd", "nodaemon", "tier"}
-    assert all(len(r["wall"]) == 1 and r["fwd_cpu"][0] > 0 for r in data["runs"].values())
-    hooks = data["hooks"]
-    assert hooks["nodaemon: scheduler.schedule_batch (step)"]["calls"] > 0
-    assert not any(k.startswith("nodaemon: tier.") for k in hooks), hooks  # nothing sent, hashed or looked up
-    assert hooks["tier: tier.lookup"]["calls"] == 4 and hooks["tier: tier.store"]["calls"] == 4
-
-
-def test_bench_status_under_load_runs_a_tp2_engine_and_no_phase_drops_its_clients(tmp_path):
-    """A real TP=2 vLLM engine on kvtier's connector: ``kvtier status`` answers in every
-    phase (engine starting, idle, generating, SIGSTOPped, gone) and the daemon reaps none of
-    the engine's clients while the engine lives - a stopped process is not a dead one."""
-    report = tmp_path / "status.json"
-    run([os.path.join(SCRIPTS, "bench_status_under_load.py"), "--rounds", "1", "--phase-s", "2",
-         "--json", str(report)], timeout=900)
-    data = json.loads(report.read_text())
-    phases = {p["phase"] for p in data["phases"]}
-    assert {"engine starting", "engine idle", "engine generating", "engine stopped"} <= phases
-    assert all(p["status_s"] and not p["status_failures"] for p in data["phases"])
-    live = [d for d in data["dropped"] if d["phase"].startswith("engine ")]
-    assert not live, live
 
 
 def test_bench_shares_times_every_case_and_the_at_share_case_evicts_only_its_own():
