@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 
-from benchlib import REPO, add_json_flag, emit, median, pct, start_daemon, table
+from benchlib import REPO, add_json_flag, emit, median, pct, quit_engine, start_daemon, table
 
 sys.path.insert(0, os.path.join(REPO, "client"))
 import vllm_offline as ex  # noqa: E402
@@ -93,14 +93,7 @@ class Engine:
         return self.call("ttft", prompt=prompt)["s"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        quit_engine(self.proc)
 
 
 def default_bind() -> str:

@@ -245,6 +245,20 @@ def _pool_worker(i, factory, fargs, cmds, out) -> None:
         out.put((i, ("error", traceback.format_exc())))
 
 
+def quit_engine(proc) -> None:
+    """Stop an engine process driven over its stdin (scripts/vllm_engine.py, peers_engine.py):
+    ask it to quit, kill it if it has not within a minute."""
+    import subprocess
+    if proc.poll() is None:
+        try:
+            proc.stdin.write('{"op": "quit"}\n')
+            proc.stdin.flush()
+            proc.wait(60)
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
+
+
 def run_until(t_end: float, fn, setup=None, min_reps: int = 2) -> tuple[int, float]:
     """Call ``fn`` until the wall clock passes ``t_end``; (reps, timed seconds)."""
     busy, reps = 0.0, 0

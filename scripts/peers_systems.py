@@ -189,14 +189,8 @@ class Engine:
             return []
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"op": "quit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        from benchlib import quit_engine
+        quit_engine(self.proc)
 
 
 def _last_error(lines: list[str]) -> str:
