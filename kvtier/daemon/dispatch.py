@@ -46,7 +46,7 @@ class Dispatcher:
                  guard: ConnectionGuard, replies: Replies, stopping: Callable[[], bool], counters: Counter):
         self.config = config  # a getter: SIGHUP replaces the config whole
         self.listener, self.sessions, self.handlers, self.guard = listener, sessions, handlers, guard
-        self.replies, self.error = replies, replies.error
+        self.replies = replies
         self._stopping = stopping
         self.counters, self.errors = counters, replies.errors
 
