@@ -65,6 +65,7 @@ from .warm import WarmPool, discard_kept
 
 __all__ = ["Daemon", "StartupError", "UnfitConfig"]
 log = logging.getLogger("kvtier.daemon")
+QUIET_BEFORE_EXIT_MS = 100  # at exit, requests that arrive within this of each other are still read
 CANCEL_GRACE_S = 5.0  # after cancelling at the drain deadline, wait this long for copies to stop
 MAX_EVENTS_PER_MESSAGE = 512  # a flush of 100,000 blocks is 196 messages of ~15 KiB, not one of 3 MiB
 
@@ -222,7 +223,16 @@ class Daemon:
                         log.info("shutting down: draining %d copies (up to %.0fs)",
                                  self.copies.pending, self.config.drain_timeout_s)
                     if not self.copies.pending and not self.flushes.pending:
-                        break
+                        # What a client sent before the signal was seen is answered first: a
+                        # flush sent just before SIGTERM runs to its end (new work gets
+                        # SHUTTING_DOWN). ZeroMQ's I/O thread may still be moving it off the
+                        # wire, so wait a moment for the socket to stay quiet; a client that
+                        # never goes quiet holds the exit no longer than the drain deadline.
+                        if now >= drain_deadline or not self.listener.router.poll(QUIET_BEFORE_EXIT_MS,
+                                                                                  zmq.POLLIN):
+                            break
+                        self.dispatcher.read_requests()
+                        continue
                     if now >= drain_deadline:
                         n = self.copies.cancel_all("daemon shutting down")
                         log.warning("drain deadline: cancelled %d copies", n)

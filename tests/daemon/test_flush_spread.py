@@ -11,6 +11,8 @@ the flush took many turns (at most 4,096 blocks a turn), not one.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
@@ -147,5 +149,25 @@ def test_a_flush_in_progress_is_finished_and_answered_before_the_daemon_stops(bu
         d.proc.terminate()  # SIGTERM: drain, then exit
         reply = c.channel.poll_reply(rid, 60)
     assert isinstance(reply, m.Flushed) and reply.removed == 24 * CHAIN
+    assert d.proc.wait(60) == 0
+    src.close()
+
+
+def test_a_flush_that_reaches_the_daemon_as_it_is_told_to_stop_is_answered(busy_daemon):
+    """The daemon wakes (SIGCONT) to a SIGTERM with nothing in flight, and the flush
+    reaches it a moment later, as a request sent just before the signal does when the
+    node is busy. It must read it, run it to its end and answer: a flush is served while
+    draining, and the client must not be hung up on."""
+    d = busy_daemon
+    src = make_kv(SHAPE, layers=1, seed=5)
+    with d.client(name="engine", timeout=60) as c:
+        c.register_kv_cache(src, [0], X)
+        store_all(c, [chain(f"late{k}") for k in range(8)])
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        os.kill(d.proc.pid, signal.SIGTERM)
+        os.kill(d.proc.pid, signal.SIGCONT)
+        rid = c.channel.send(m.Flush(X.fingerprint()))
+        reply = c.channel.poll_reply(rid, 60)
+    assert isinstance(reply, m.Flushed) and reply.removed == 8 * CHAIN, reply
     assert d.proc.wait(60) == 0
     src.close()
