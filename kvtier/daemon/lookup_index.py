@@ -1,10 +1,15 @@
-"""Lookups without a round trip: each namespace's ready hashes mirrored into
-shared memory that its clients read (``pool/shm_index.py``), when
-``lookup_index`` is on.
+"""Lookups without a round trip: each namespace's hashes that a load would
+serve - ready in RAM or on the disk tier - mirrored into shared memory that
+its clients read (``pool/shm_index.py``), when ``lookup_index`` is on.
 
-The mirror is updated synchronously where the index changes (a store's
-commit, a ready block dropped by eviction, flush or discard), before any
-reply goes out, so a client that saw its store done finds it in the mirror.
+The mirror holds the union of the two tiers, so its longest prefix is the one
+``BlockIndex.lookup`` answers (RAM's ready prefix extended by disk blocks). It
+is updated synchronously where either index changes (a store's commit, a
+ready block dropped by eviction, flush or discard; a disk file written,
+dropped for room, flushed, found bad or found by the start-up scan), before
+any reply goes out, so a client that saw its store done finds it in the
+mirror. A block leaves the mirror only when it left both tiers: RAM asks the
+disk tier (``attach_lower``) and the disk tier asks RAM before removing.
 The segment is mode 0600 and owned by the daemon's user: only clients
 running as that user can map it; others are simply answered over the socket.
 A lookup answered from the mirror refreshes no recency and is not in the
@@ -19,7 +24,9 @@ nothing behind. On CPUs without x86 memory ordering there are no mirrors
 (``seqlock_safe``).
 
 Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket, ready_keys)``, ``.stored(bucket, keys)``,
-``.removed(bucket, key)``, ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``.
+``.removed(bucket, key)``, ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``;
+the disk tier's side: ``.attach_lower(tier)`` (``tier.keys_of(ns_key)``, ``tier.on_disk(ns_key, key)``),
+``.disk_stored(ns_key, keys)``, ``.disk_removed(ns_key, keys)`` (keys RAM still holds stay).
 """
 
 from __future__ import annotations
@@ -40,14 +47,17 @@ STALE_PREFIX = PREFIX
 class LookupIndexes:
     def __init__(self, pool_bytes: int, budget: int):
         self.pool_bytes, self.budget = pool_bytes, budget
-        self._writers: dict[int, tuple[ShmIndexWriter, int]] = {}
+        # Keyed by namespace key (one bucket per key at a time: forget() goes with the bucket),
+        # so the disk tier, which knows namespaces by key, reaches the same table.
+        self._writers: dict[str, tuple[ShmIndexWriter, int]] = {}
+        self.lower = None  # the disk tier, once attached
         self.bytes = 0  # /dev/shm bytes of every table
         self.refused = 0  # namespaces that found no room for a table
 
     def segment_for(self, bucket: Bucket, ready_keys) -> str:
         """The mirror of ``bucket`` (created at its first registration, filled
         with ``ready_keys()``, what is ready), or "" when the budget has no room for one."""
-        entry = self._writers.get(bucket.id)
+        entry = self._writers.get(bucket.key)
         if entry is None:
             keys = self._fitting_keys(bucket.block_bytes)
             if keys is None:
@@ -58,7 +68,9 @@ class LookupIndexes:
             # The daemon's pid in the name lets a later daemon remove it if this one is killed.
             w = ShmIndexWriter(segment_name(f"{os.getpid()}.{secrets.token_hex(16)}"), keys)
             w.add(ready_keys())
-            entry = self._writers[bucket.id] = (w, w.segment.size)
+            if self.lower is not None:  # what the disk holds is a hit too (after a restart: only there)
+                w.add(self.lower.keys_of(bucket.key))
+            entry = self._writers[bucket.key] = (w, w.segment.size)
             self.bytes += w.segment.size
         return entry[0].name
 
@@ -73,25 +85,41 @@ class LookupIndexes:
     def tables(self) -> int:
         return len(self._writers)
 
+    def attach_lower(self, tier) -> None:
+        """The disk tier (built after the mirrors): its blocks are hits too. Once, at start."""
+        self.lower = tier
+
     def stored(self, bucket: Bucket, keys: list[bytes]) -> None:
-        entry = self._writers.get(bucket.id)
+        entry = self._writers.get(bucket.key)
         if entry is not None and keys:
             entry[0].add(keys)
 
     def cleared(self, bucket: Bucket) -> None:
         """A flush hid every ready block of ``bucket`` at once (``pool/drain.py``)."""
-        entry = self._writers.get(bucket.id)
-        if entry is not None:
+        entry = self._writers.get(bucket.key)
+        if entry is not None:  # the disk tier drops the same namespace's files next (start_flush)
             entry[0].clear()
 
     def removed(self, bucket: Bucket, key: bytes) -> None:
-        entry = self._writers.get(bucket.id)
-        if entry is not None:
+        """A ready block left RAM: still a hit while its file is on disk."""
+        entry = self._writers.get(bucket.key)
+        if entry is not None and not (self.lower is not None and self.lower.on_disk(bucket.key, key)):
             entry[0].remove([key])
+
+    def disk_stored(self, ns_key: str, keys: list[bytes]) -> None:
+        entry = self._writers.get(ns_key)
+        if entry is not None and keys:
+            entry[0].add(keys)
+
+    def disk_removed(self, ns_key: str, keys: list[bytes]) -> None:
+        """Files left the disk; the caller leaves out the keys still ready in RAM."""
+        entry = self._writers.get(ns_key)
+        if entry is not None and keys:
+            entry[0].remove(keys)
 
     def forget(self, bucket: Bucket) -> None:
         """The namespace is gone: unlink its table (readers keep their mappings until they close)."""
-        entry = self._writers.pop(bucket.id, None)
+        entry = self._writers.pop(bucket.key, None)
         if entry is not None:
             self.bytes -= entry[1]
             self._close(entry[0])

@@ -53,14 +53,13 @@ def new_pool(config: DaemonConfig) -> ShmSegment:
 def start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:
     if not config.lookup_index:
         return None
-    if config.disk_path:  # the mirror holds RAM blocks only: its readers would miss every disk hit
-        log.warning("lookup_index is off while the disk tier is on: lookups go over the socket")
-        return None
     if not seqlock_safe():
         log.warning("lookup_index is on but this CPU (%s) lacks x86 memory ordering, which the "
                     "mirror's readers need: lookups go over the socket", platform.machine())
         return None
-    return LookupIndexes(config.pool_size, int(config.pool_size * config.lookup_index_share))
+    # A table is sized for the blocks both tiers can hold (within the budget, which the pool sets).
+    held = config.pool_size + (config.disk_size if config.disk_path else 0)
+    return LookupIndexes(held, int(config.pool_size * config.lookup_index_share))
 
 
 def start_gpu(pool: torch.Tensor, config: DaemonConfig):

@@ -20,6 +20,9 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
                        True = answered later
   cancel(...) -> bool  a Cancel names a load waiting on the disk: answered failed now
   poll()               the I/O wakeup fd is readable: finish what completed
+  keys_of(ns_key), on_disk(ns_key, key)
+                       the lookup mirror's lower tier (daemon/lookup_index.py): what the
+                       disk holds is a hit too; stored()/removed() keep the mirror in step
 
 The loop thread makes no filesystem call: files are written, read, unlinked
 and scanned on the I/O threads. An entry leaves the disk index before its
@@ -174,7 +177,7 @@ class DiskBridge:
         self.dindex.release(len(entries) * (HEADER_BYTES + size), owner_of(key))
         stale = gen != self.generation[key]  # flushed while being written
         self.landed(key, len(entries))
-        unannounced = []
+        unannounced, added = [], []
         for i, crc, path in job.ok:
             _, k, seq, _ = job.items[i]
             entry = DiskEntry(key, k, seq, size, crc, path)
@@ -182,7 +185,8 @@ class DiskBridge:
             if replaced:  # stale, or one of two copies of a block that stays on disk: no event
                 unannounced += [v.path for v in replaced]
             else:
-                self.index.record("disk_stored", key, k)
+                added.append(k)
+        self.stored(key, added)
         self.counters["write_failed"] += len(job.failed)
         self.backlog.lost(owner_of(key), "failed", len(job.failed))
         self.io.unlink(unannounced, self.emptied([key]))
@@ -202,9 +206,37 @@ class DiskBridge:
             self.io.remind("fit")
 
     def _unlink(self, victims: list) -> None:
-        for v in victims:
-            self.index.record("disk_removed", v.ns_key, v.key)
+        self.removed(victims)
         self.io.unlink([v.path for v in victims], self.emptied({v.ns_key for v in victims}))
+
+    # ---- what the disk holds changed: block events and the lookup mirror ----------------------
+    def stored(self, ns_key: str, keys: list) -> None:
+        for k in keys:
+            self.index.record("disk_stored", ns_key, k)
+        if self.index.mirror is not None:
+            self.index.mirror.disk_stored(ns_key, keys)
+
+    def removed(self, entries: list) -> None:
+        """Entries that left the disk index: announced, and out of the mirror unless ready in RAM."""
+        by_ns: dict = {}
+        for v in entries:
+            self.index.record("disk_removed", v.ns_key, v.key)
+            by_ns.setdefault(v.ns_key, []).append(v.key)
+        mirror = self.index.mirror
+        if mirror is None:
+            return
+        for ns_key, keys in by_ns.items():
+            ns = self.index.namespaces.get(ns_key)
+            if ns is not None:
+                keys = [k for k in keys if self.index.ready_entry(ns, k) is None]
+            mirror.disk_removed(ns_key, keys)
+
+    def keys_of(self, ns_key: str) -> list:
+        """The namespace's blocks on disk (a new mirror starts with them)."""
+        return list(self.dindex.entries_of(ns_key) or ())
+
+    def on_disk(self, ns_key: str, key: bytes) -> bool:
+        return key in (self.dindex.entries_of(ns_key) or ())
 
     def emptied(self, ns_keys) -> list[str]:
         """Namespaces with nothing left on disk and nothing in flight: their directories go
@@ -249,7 +281,7 @@ class DiskBridge:
 
     def _found(self, entries: list) -> None:
         """A batch of the start-up scan: indexed (lookups count them now) and announced."""
-        extra = []
+        extra, added = [], {}
         for entry in entries:
             if (entry.ns_key, entry.key) in self.writing:  # rewritten now: the new file wins
                 extra.append(entry)
@@ -258,7 +290,9 @@ class DiskBridge:
             if replaced:  # two files of one block: the older goes, the block stays (announced once)
                 extra += replaced
             else:
-                self.index.record("disk_stored", entry.ns_key, entry.key)
+                added.setdefault(entry.ns_key, []).append(entry.key)
+        for ns_key, keys in added.items():
+            self.stored(ns_key, keys)
         self.io.unlink([e.path for e in extra])
 
     # ---- status ---------------------------------------------------------------------------------

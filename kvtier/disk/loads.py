@@ -151,9 +151,8 @@ class DiskLoads:
         for j, _ in job.ok:
             self.tier.dindex.touch(job.items[j][0])
         bad = [job.items[j][0] for j in job.bad]
-        for e in bad:
-            if self.tier.dindex.remove(e):  # not yet dropped for room or flushed: announce it
-                self.tier.index.record("disk_removed", e.ns_key, e.key)
+        # Not yet dropped for room or flushed: announced, and out of the lookup mirror.
+        self.tier.removed([e for e in bad if self.tier.dindex.remove(e)])
         # Each write's own file (its seq is in the name); its directory too if nothing is left.
         self.tier.io.unlink([e.path for e in bad], self.tier.emptied([plan.ns.key]))
         waiting = self.waiting_for.pop(job)

@@ -202,13 +202,12 @@ def test_disk_keeps_newest_after_restart_with_a_smaller_disk_size(daemon_factory
     assert wait_for(lambda: len(block_files(tmp_path / "disk")) == 64)
 
 
-def test_status_metrics_and_events_cover_the_disk_tier_and_the_ram_only_mirror_is_off(daemon_factory, tmp_path, capsys):
+def test_status_metrics_and_events_cover_the_disk_tier_and_the_mirror_stays_on(daemon_factory, tmp_path, capsys):
     events = "ipc://" + str(tmp_path / "events.sock")
     d = daemon_factory(pool_size="2MiB", slab_size="1MiB", extra=["--events", events],
                        env=disk_env(tmp_path / "disk", "16MiB", lookup_index=1))
-    # The lookup mirror holds RAM blocks only: its readers would miss every disk hit.
-    assert d.stats()["lookup_index"] == {"enabled": False}
-    assert "lookup_index is off while the disk tier is on" in d.read_log()
+    # The lookup mirror holds disk blocks too (tests/daemon/test_lookup_mirror_disk.py).
+    assert d.stats()["lookup_index"]["enabled"]
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, NS.fingerprint().encode())
