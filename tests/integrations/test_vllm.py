@@ -1,9 +1,10 @@
 """Real vLLM engines (CPU build) share a prompt prefix through a real kvtier daemon.
 
-One module-scoped run, because each engine start costs ~25-60 s here: a
+One module-scoped run. In one process, one engine after another: a
 reference engine without kvtier; engine A with kvtier (stores the prefixes);
 an engine whose namespace differs (float32 instead of bfloat16); an engine
-with kvtier configured and no daemon at its socket; engine B
+with kvtier configured and no daemon at its socket. Then, in a new process
+deployed as vLLM deploys (engine core and worker processes), engine B
 with kvtier, which pauses halfway so the test can read ``kvtier status`` and
 then SIGKILL the daemon before B answers the rest.
 """
@@ -20,6 +21,7 @@ import threading
 import pytest
 
 from tests.conftest import REPO, DaemonProc
+from tests.integrations.test_vllm_hybrid import run_engines
 from tests.integrations.vllm_example import example, require_vllm
 
 PREFIX_TOKENS = 320          # 10 chunks of 32 tokens per shared prefix
@@ -39,12 +41,20 @@ def runs(tmp_path_factory):
     prompts = tmp / "prompts.json"
     prompts.write_text(json.dumps(first + second))
     daemon = DaemonProc(tmp, pool_size="256MiB", slab_size="4MiB")
+    out: dict = {}
     try:
-        run = lambda **kw: ex.run_engine_process(ex.engine_command(model, str(prompts), **kw))  # noqa: E731
-        out = {"ref": run(socket=None, kvtier=False)}
-        out["a"] = run(socket=daemon.socket)
-        out["other"] = run(socket=daemon.socket, dtype="float32")
-        out["no_daemon"] = run(socket=str(tmp / "absent.sock"))  # kvtier configured, nobody at the socket
+        args = lambda **kw: ex.engine_command(model, str(prompts), **kw)[3:]  # noqa: E731
+        # The reference, A, the other namespace and the engine with no daemon run one after
+        # another in one process (vLLM imported once, no engine-core process: ~3 s an engine
+        # where a process of its own costs ~70 s of CPU here); B, which must be a new
+        # process to load A's prefix, runs as engines are deployed (engine core and worker
+        # in processes of their own).
+        (out["ref"], out["a"], out["other"], out["no_daemon"]), _ = run_engines(ex, [
+            args(socket=None, kvtier=False),
+            args(socket=daemon.socket),
+            args(socket=daemon.socket, dtype="float32"),
+            args(socket=str(tmp / "absent.sock")),  # kvtier configured, nobody at the socket
+        ], tmp, "first")
         out["status_after_other"] = daemon.stats()
         out["b"], out["status_mid_b"] = _engine_b_with_daemon_killed(ex, model, str(prompts), daemon, tmp)
         yield out

@@ -16,6 +16,7 @@ import threading
 import pytest
 
 from tests.conftest import DaemonProc
+from tests.integrations.test_vllm_hybrid import run_engines
 from tests.integrations.vllm_example import example, require_vllm
 
 PROMPTS = 4
@@ -77,7 +78,7 @@ def run(tmp_path_factory):
     try:
         cmd = ex.engine_command(model, str(tmp / "prompts.json"), socket=daemon.socket, max_tokens=2,
                                 kv_events=sub.endpoint, kvtier_events=daemon_events)
-        result = ex.run_engine_process(cmd)
+        (result,), _ = run_engines(ex, [cmd[3:]], tmp, "engine")  # in-process: no engine-core process to start
         stats = daemon.stats()
     finally:
         sub.stop()

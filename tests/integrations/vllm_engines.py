@@ -60,6 +60,9 @@ class LiveEngine:
         binds = "|".join(str(r % max(1, os.cpu_count() or 1)) for r in range(tp))  # one core per rank
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": binds,
                "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+               # The engine core runs in the engine's process (a TP=2 engine still starts a
+               # worker per rank): one vLLM import fewer, ~45 s of CPU an engine here.
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         cmd = [sys.executable, ENGINE, "--model", model, "--tp", str(tp), "--block-size", str(block_size),
                "--max-model-len", str(max_model_len), "--max-num-seqs", "4"]
