@@ -87,6 +87,7 @@ def messages() -> list[tuple[str, object, int]]:
         ("ping_max_id", m.Ping(), U64_MAX),
         ("bye", m.Bye(), 255),
         ("cancel", m.Cancel(12), 18),
+        ("lookups_answered", m.LookupsAnswered([[1, 3, 96, 64]]), 21),
         ("lookup_many", m.LookupMany(1, [pack_hashes(HASHES), pack_hashes(HASHES[:1])]), 19),
         ("load_prefix", m.Load(1, pack_hashes(HASHES), pack_ids([20, 21, 22]), 0, b"", True), 20),
         ("hits_many", m.HitsMany(pack_ids([3, 1])), 19),

@@ -34,6 +34,7 @@ from .connection import Connection
 from .errors import DaemonUnavailable, KVTierError
 from .fences import Fences
 from .handover import hand_over
+from .tally import Tally
 from .handles import TransferHandle, failed_all
 from .namespace import Namespace
 
@@ -60,6 +61,7 @@ class Client:
         self._register_args: tuple | None = None
         self._reg: m.Registered | None = None
         self._mirror = None  # ShmIndexReader of the namespace's ready hashes, when offered
+        self.tally = Tally()  # lookups the mirror answered, reported on the heartbeat (tally.py)
         self.kv: "ShmKVCache | CudaKVCache | None" = None
         self.block_factor = 1
         self._fences = Fences()  # CUDA: events on the engine's stream, the daemon's events
@@ -127,6 +129,7 @@ class Client:
             self._closing = False
             return False
         self.closed = True
+        self.connection.report(min(self.timeout, 1.0), only=self)  # before its registration goes
         self.connection.detach(self)
         if self._reg is not None and self.connection.connected:
             try:  # the daemon unmaps the cache once no copy uses it
@@ -165,6 +168,7 @@ class Client:
 
     def replay(self, wait: float) -> None:
         """REGISTER again on the connection's new session (after a reconnect)."""
+        self.tally.take()  # counted against the lost session's registration: gone with it
         if self._register_args is not None:
             self._reg = self.connection.call(self._register_msg(self._register_args, wait), timeout=wait)
             self._open_mirror(self._reg.index)
@@ -196,6 +200,7 @@ class Client:
         if mirror is not None and self.session.healthy:
             hits = mirror.ready_prefix(packed)
             if hits is not None:  # None: the mirror cannot say (overflowed, busy): ask
+                self.tally.add(len(hashes), hits)
                 return hits
         msg = m.Lookup(self._reg_id(), packed)
         return self.connection.degrade(lambda: self.connection.call(msg).hits, 0)
@@ -295,6 +300,7 @@ class Client:
         return self.connection.flush(fp, timeout)
 
     def ping(self) -> None:
+        """One round trip; it carries what the lookup mirrors answered since the last report."""
         self.connection.ping()
 
     # ---- plumbing -----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from .channel import Channel
 from .errors import DaemonUnavailable, KVTierError
 from .keeper import Keeper
 from .session import SESSION_LOST, Session
+from .tally import Tally
 
 log = logging.getLogger("kvtier.client")
 DEGRADED = (SESSION_LOST, ErrorCode.SHUTTING_DOWN)  # answers that mean "no daemon for now"
@@ -41,6 +42,8 @@ class Registered(Protocol):
     """What the connection needs of a cache registered on it."""
 
     closed: bool
+    tally: Tally                         # lookups its mirror answered, for the next report
+    registration: "m.Registered | None"  # None while degraded
 
     def replay(self, wait: float) -> None:
         """REGISTER again on a new session (no-op before the first register)."""
@@ -70,7 +73,8 @@ class Connection:
                 raise
         self.keeper = None
         if heartbeat:
-            self.keeper = Keeper(self.channel, self.session, self._open_session, self.lose_session, self.timeout)
+            self.keeper = Keeper(self.channel, self.session, self._open_session, self.lose_session, self.timeout,
+                                 report=self.report)
             self.keeper.start()
 
     # ---- registrations on it ----------------------------------------------------------
@@ -162,7 +166,27 @@ class Connection:
         return self.channel.call(m.Flush(fingerprint), timeout=timeout).removed
 
     def ping(self) -> None:
-        self.channel.call(m.Ping())
+        if not self.report(self.timeout):  # a report is a round trip too
+            self.channel.call(m.Ping())
+
+    def report(self, timeout: float, only=None) -> bool:
+        """Send what the caches' lookup mirrors answered since the last report (``tally.py``;
+        ``only``: one cache's); False when there was nothing to send. Counts of a report the
+        daemon never got are given back for the next; one it refused is dropped (logged)."""
+        taken = [(r, r.tally.take()) for r in list(self.registrations) if only is None or r is only]
+        rows = [[reg.reg, *counts] for r, counts in taken
+                if counts[0] and (reg := r.registration) is not None]
+        if not rows:
+            return False
+        try:
+            self.channel.call(m.LookupsAnswered(rows), timeout=timeout)
+        except DaemonUnavailable:
+            for r, counts in taken:
+                r.tally.give_back(counts)
+            raise
+        except KVTierError as exc:
+            log.warning("kvtier: the daemon refused this client's lookup counts (%s)", exc)
+        return True
 
     # ---- the end ------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> bool:
@@ -181,6 +205,7 @@ class Connection:
             self.keeper.stop()
         if self.session.healthy:
             try:
+                self.report(min(self.timeout, 1.0))  # the last lookups the mirrors answered
                 self.channel.call(m.Bye(), timeout=min(self.timeout, 1.0))
             except KVTierError:
                 pass

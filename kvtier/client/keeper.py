@@ -41,8 +41,9 @@ SETTLE_S = 2.0                     # after the daemon exited: how long its hang-
 
 class Keeper:
     def __init__(self, channel: Channel, session: Session, reopen: Callable[[float], None],
-                 lose: Callable[[str], None], timeout: float):
+                 lose: Callable[[str], None], timeout: float, report: Callable[[float], bool] = lambda t: False):
         self.channel, self.session, self.reopen, self.lose = channel, session, reopen, lose
+        self.report = report  # a beat's report of mirror lookups, sent in place of its ping when there is one
         self.timeout = timeout
         self.reconnects = 0
         self._stop = False
@@ -143,7 +144,8 @@ class Keeper:
 
     def _ping(self, timeout: float) -> None:
         try:
-            self.channel.call(m.Ping(), timeout=timeout)
+            if not self.report(timeout):
+                self.channel.call(m.Ping(), timeout=timeout)
         except DaemonUnavailable as exc:
             self.lose(str(exc))
         except KVTierError as exc:

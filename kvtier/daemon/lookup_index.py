@@ -12,8 +12,8 @@ mirror. A block leaves the mirror only when it left both tiers: RAM asks the
 disk tier (``attach_lower``) and the disk tier asks RAM before removing.
 The segment is mode 0600 and owned by the daemon's user: only clients
 running as that user can map it; others are simply answered over the socket.
-A lookup answered from the mirror refreshes no recency and is not in the
-daemon's hit counters (the load that follows does both).
+A lookup answered from the mirror refreshes no recency (the load that
+follows does); its client reports it for the daemon's counters (``answered.py``).
 
 Memory: the tables together stay within ``budget`` bytes of /dev/shm
 (``lookup_index_share`` of the pool); one table takes at most a quarter of

@@ -46,6 +46,8 @@ NAMESPACE_COUNTERS = (  # stats key per namespace, metric name, help
     ("hits", "hits", "Blocks found by lookups (longest ready prefix, disk tier included)."),
     ("disk_hits", "disk_hits", "Of those, blocks found in the disk tier after the RAM prefix ended."),
     ("misses", "misses", "Blocks looked up and not found."),
+    ("mirror_lookups", "mirror_lookups", "Of the lookups, those clients answered from the lookup mirror (reported)."),
+    ("mirror_hits", "mirror_hits", "Of the hits, those found by clients in the lookup mirror (reported)."),
     ("stored", "blocks_stored", "Blocks committed by stores."),
     ("loaded", "blocks_loaded", "Blocks copied out by loads."),
     ("evicted", "blocks_evicted", "Blocks evicted to make room."),

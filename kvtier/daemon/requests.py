@@ -22,6 +22,7 @@ from ..pool.index import BlockIndex
 from ..pool.swap import SwapTable
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
+from .answered import add_report, check_report
 from .copies import CopyRunner
 from .flushes import Flushes
 from ..protocol.arrays import HASH_BYTES, pack_ids
@@ -57,6 +58,7 @@ class RequestHandlers:
             m.Lookup: self.lookup, m.LookupMany: self.lookup_many, m.Store: self.store, m.Load: self.load,
             m.Offload: self.offload, m.Restore: self.restore, m.Discard: self.discard,
             m.Cancel: self.cancel, m.Stats: self.stats_request, m.Flush: self.flush,
+            m.LookupsAnswered: self.lookups_answered,
         }
         assert set(self.table) == m.REQUESTS, "every request needs a handler"
 
@@ -65,6 +67,11 @@ class RequestHandlers:
         return self.sessions.hello(identity, msg, peer, conn_fd)
 
     def ping(self, client, msg, identity, req_id):
+        return m.Ok()
+
+    def lookups_answered(self, client: ClientState, msg: m.LookupsAnswered, identity, req_id):
+        """What the client's lookup mirrors answered: into the same counters (answered.py)."""
+        add_report(check_report(client, msg.counts, self.sessions.registration))
         return m.Ok()
 
     def bye(self, client: ClientState, msg, identity, req_id):

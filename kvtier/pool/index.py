@@ -50,7 +50,7 @@ from .shares import TenantShares
 
 MAX_NAMESPACES = 4096
 STAT_KEYS = ("lookups", "hits", "disk_hits", "misses", "stored", "store_skipped", "store_failed",
-             "loaded", "load_failed", "evicted")
+             "loaded", "load_failed", "evicted", "mirror_lookups", "mirror_hits")
 
 
 class BlockIndex:

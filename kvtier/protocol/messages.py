@@ -13,6 +13,7 @@ Primitives:
   Offload, Restore, Discard request swap (owned by one client, not shared)
   Cancel -> Ok             stop a transfer; its own reply then confirms it is over
   Stats/StatsReply, Flush/Flushed, Ping/Bye/Unregister -> Ok
+  LookupsAnswered -> Ok    what lookup mirrors answered, for the daemon's counters
   Error                    typed failure (code, message, side at fault)
 
 Hashes travel as one ``bytes`` of ``HASH_BYTES``-sized digests and block ids
@@ -144,6 +145,12 @@ class Ping:
     TAG: ClassVar[str]
 
 
+@message("seen")
+class LookupsAnswered:
+    counts: list            # [[reg, lookups, keys, hits], ...] answered from lookup mirrors since the last report
+    TAG: ClassVar[str]
+
+
 @message("bye")
 class Bye:
     TAG: ClassVar[str]
@@ -233,13 +240,13 @@ FRAME_BOUNDS: dict[str, int] = {
     # rst at most 262,144 bytes of ids; the rest are a few fields.
     "lk": 1024 * KiB + 4 * KiB, "lkm": 1024 * KiB + 64 * KiB, "rst": 256 * KiB + 4 * KiB,
     "hi": 64 * KiB, "unreg": 64 * KiB, "disc": 64 * KiB, "stat": 64 * KiB, "flush": 64 * KiB,
-    "ping": 64 * KiB, "bye": 64 * KiB, "cancel": 64 * KiB,
+    "ping": 64 * KiB, "bye": 64 * KiB, "cancel": 64 * KiB, "seen": 64 * KiB,
 }
 """Per-op frame bounds (bytes); ops not listed are bounded by ``max_message`` alone."""
 
 REQUESTS: frozenset[type] = frozenset({
     Hello, Register, Unregister, Lookup, LookupMany, Store, Load, Offload, Restore, Discard, Stats, Flush,
-    Ping, Bye, Cancel})
+    Ping, Bye, Cancel, LookupsAnswered})
 """Messages a client may send; every other tag is a reply."""
 
 TRANSFERS: frozenset[type] = frozenset({Store, Load, Offload, Restore})

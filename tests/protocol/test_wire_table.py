@@ -36,6 +36,7 @@ WIRE = {  # tag: (class, [(field, type, default)])
     "ping": ("Ping", []),
     "bye": ("Bye", []),
     "cancel": ("Cancel", [("request", "int", M)]),
+    "seen": ("LookupsAnswered", [("counts", "list", M)]),
     "welcome": ("Welcome", [("version", "int", M), ("client_id", "int", M), ("heartbeat_s", "float", M),
                             ("max_message", "int", M), ("daemon_pid", "int", 0)]),
     "regd": ("Registered", [("reg", "int", M), ("namespace_id", "int", M), ("block_bytes", "int", M),
