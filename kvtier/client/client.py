@@ -33,7 +33,7 @@ from ..protocol.errors import ErrorCode
 from .connection import Connection
 from .errors import DaemonUnavailable, KVTierError
 from .fences import Fences
-from .handover import hand_over
+from .handover import fetch_mirror, hand_over
 from .tally import Tally
 from .handles import TransferHandle, failed_all
 from .namespace import Namespace
@@ -216,8 +216,13 @@ class Client:
         from ..pool.segment import SegmentError
         try:
             self._mirror = ShmIndexReader(name)
-        except SegmentError as exc:  # another user's daemon (mode 0600): lookups use the socket
-            log.info("kvtier: lookup mirror not readable here (%s); lookups go over the socket", exc)
+            return
+        except SegmentError as exc:  # another user's daemon (mode 0600): ask it for a descriptor
+            why = exc
+        try:
+            self._mirror = ShmIndexReader(name, fd=fetch_mirror(self.socket_path, name, self.timeout))
+        except (SegmentError, DaemonUnavailable) as exc:
+            log.info("kvtier: lookup mirror not readable here (%s; %s); lookups go over the socket", why, exc)
 
     def lookup_many(self, chains: Sequence[Sequence[bytes]]) -> list[int]:
         """``lookup`` for many requests (a scheduling step) in one round trip;

@@ -11,10 +11,11 @@ comma-separated), default root, the current user and the service user
 
 ``hand_over(path, fds)`` passes KV memory descriptors to the daemon
 (SCM_RIGHTS over ``PATH.fd``) and returns the one-time ticket the
-REGISTER presents.
+REGISTER presents; ``fetch_mirror(path, name)`` gets a read-only descriptor
+of a lookup mirror the other way (engines of other users than the daemon's).
 
 Primitives: ``expected_daemon_uids()``, ``check_daemon_socket(path)``,
-``hand_over(path, fds, timeout)``, ``UntrustedSocket``.
+``hand_over(path, fds, timeout)``, ``fetch_mirror(path, name, timeout) -> fd``, ``UntrustedSocket``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,48 @@ def check_daemon_socket(path: str) -> None:
         raise UntrustedSocket(f"refusing {path}: {why} (set ${ENV_DAEMON_USER})")
 
 
+def fetch_mirror(path: str, name: str, timeout: float = 5.0) -> int:
+    """A read-only descriptor of lookup mirror ``name`` (the ``index`` of this process's
+    REGISTER reply) from the daemon at ``path``: for engines of other users than the
+    daemon's, which cannot open the 0600 table by name. Raises DaemonUnavailable
+    (no socket, untrusted, refused: the caller asks over ZeroMQ instead)."""
+    path = path[len("ipc://"):] if path.startswith("ipc://") else path
+    if path.startswith("tcp://"):
+        raise DaemonUnavailable("lookup mirrors are handed over on the local Unix socket only")
+    with _connect(path, timeout) as s:
+        try:
+            s.send(msgpack.packb({"v": 1, "mirror": name}))
+            data, fds, _, _ = socket.recv_fds(s, 4096, 1)
+            reply = msgpack.unpackb(data)
+        except (OSError, ValueError) as exc:
+            raise DaemonUnavailable(f"mirror hand-over from {path}{HANDOVER_SUFFIX} failed: {exc}") from None
+    if not fds or not isinstance(reply, dict) or reply.get("mirror") != name:
+        for fd in fds:
+            os.close(fd)
+        why = reply.get("error", "no descriptor") if isinstance(reply, dict) else "bad reply"
+        raise DaemonUnavailable(f"the daemon did not hand over mirror {name}: {why}")
+    return fds[0]
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    """The hand-over socket of the daemon at ``path``, once the kernel says an expected uid listens."""
+    check_daemon_socket(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    s.settimeout(timeout)
+    try:
+        s.connect(path + HANDOVER_SUFFIX)
+    except OSError as exc:
+        s.close()
+        raise DaemonUnavailable(f"no hand-over socket at {path}{HANDOVER_SUFFIX}: {exc.strerror}") from None
+    pid, uid, gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    uids = expected_daemon_uids()
+    if uid not in uids:  # the kernel's word: no swapped file can fake this
+        s.close()
+        raise UntrustedSocket(f"refusing to talk to pid {pid}: it runs as uid {uid}, "
+                              f"expected one of {sorted(uids)} (set ${ENV_DAEMON_USER})")
+    return s
+
+
 def hand_over(path: str, fds: list[int], timeout: float = 5.0) -> str:
     """Give the daemon at ``path`` these descriptors; the ticket for REGISTER."""
     if path.startswith("ipc://"):
@@ -91,18 +134,7 @@ def hand_over(path: str, fds: list[int], timeout: float = 5.0) -> str:
         from .errors import KVTierError
         raise KVTierError(ErrorCode.BAD_ARGUMENT, "CPU caches are handed over on the local Unix socket, "
                           "not over TCP", "client")
-    check_daemon_socket(path)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
-        s.settimeout(timeout)
-        try:
-            s.connect(path + HANDOVER_SUFFIX)
-        except OSError as exc:
-            raise DaemonUnavailable(f"no hand-over socket at {path}{HANDOVER_SUFFIX}: {exc.strerror}") from None
-        pid, uid, gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-        uids = expected_daemon_uids()
-        if uid not in uids:  # the kernel's word: no swapped file can fake this
-            raise UntrustedSocket(f"refusing to hand memory to pid {pid}: it runs as uid {uid}, "
-                                  f"expected one of {sorted(uids)} (set ${ENV_DAEMON_USER})")
+    with _connect(path, timeout) as s:
         try:
             socket.send_fds(s, [msgpack.packb({"v": 1})], list(fds))
             reply = msgpack.unpackb(s.recv(4096))

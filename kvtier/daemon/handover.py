@@ -10,6 +10,17 @@ gid, pid - the kernel's word, not the client's) and gives the descriptors
 to a REGISTER that presents the ticket over ZeroMQ from a session of the
 same pid. A ticket is good once, for ``TICKET_TTL_S``.
 
+The same socket hands lookup mirrors the other way (engines of other users
+than the daemon's cannot open the 0600 tables by name): a client sends
+``{"v": 1, "mirror": NAME}`` with no descriptors, NAME being the ``index``
+its REGISTER was answered with, and gets ``{"mirror": NAME}`` with a
+read-only descriptor of that table attached (or ``{"error": TEXT}``). It is
+given only to a process (kernel pid and uid) with a live session holding a
+registration in that table's namespace (``serve_mirrors``), so a tenant
+never gets a table that is not its own; the descriptor is O_RDONLY, so it
+can be mapped for reading only (a writable mapping or a reopen for writing
+through /proc is refused by the kernel: the file stays 0600, the daemon's).
+
 Everything here is non-blocking and served by the daemon's poll loop; what
 one peer can hold is bounded (pending connections per uid and in all,
 tickets per uid, descriptors per ticket, time): one user holding every
@@ -19,7 +30,7 @@ fails for want of descriptors (``EMFILE``), the listener rests for
 spin and log ~1 MB/s).
 
 Primitives: ``Handover(path, mode, gid, per_uid)``, ``.poll_fds()``, ``.on_ready(fd)``,
-``.expire(now)``, ``.take(ticket, peer) -> Ticket | str``, ``.close()``.
+``.expire(now)``, ``.take(ticket, peer) -> Ticket | str``, ``.serve_mirrors(open_for)``, ``.close()``.
 """
 
 from __future__ import annotations
@@ -80,8 +91,14 @@ class Handover:
         self.sock.listen(64)
         self.pending: dict[int, tuple[socket.socket, float, int]] = {}  # fd -> (conn, deadline, uid)
         self.tickets: dict[str, Ticket] = {}
-        self.counters = {"handovers": 0, "refused": 0, "accept_failed": 0}
+        self.counters = {"handovers": 0, "refused": 0, "accept_failed": 0, "mirrors": 0}
         self._resting_until = 0.0
+        self.open_mirror = None  # (peer, name) -> read-only fd | why not; None: no mirrors to hand
+
+    def serve_mirrors(self, open_for) -> None:
+        """Hand lookup mirrors out: ``open_for(peer, name)`` is a read-only descriptor of the
+        table (the caller closes it) or why not. Once, at start, when lookup_index is on."""
+        self.open_mirror = open_for
 
     # ---- poll loop ---------------------------------------------------------------------
     def poll_fds(self) -> list[int]:
@@ -134,11 +151,40 @@ class Handover:
         with conn:
             if data is None:
                 return
+            request = _request(data)
+            if isinstance(request, dict) and "mirror" in request:
+                self._mirror_for(conn, request["mirror"], fds, flags)
+                return
             reply = self._ticket_for(conn, data, fds, flags)
             try:
                 conn.send(msgpack.packb(reply))
             except OSError:
                 pass
+
+    def _mirror_for(self, conn: socket.socket, name, fds: list[int], flags: int) -> None:
+        peer = peer_of(conn)
+        for fd in fds:  # a mirror request carries none
+            os.close(fd)
+        if fds or flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or not isinstance(name, str) or len(name) > 128:
+            got: int | str = "a mirror request is {'v': 1, 'mirror': NAME} and nothing else"
+        elif self.open_mirror is None:
+            got = "this daemon has no lookup mirrors (lookup_index is off)"
+        else:
+            got = self.open_mirror(peer, name)
+        if isinstance(got, str):
+            self.counters["refused"] += 1
+            log.warning("mirror %.80r for pid %d uid %d refused: %s", name, peer.pid, peer.uid, got)
+            reply, out = {"error": got}, []
+        else:
+            self.counters["mirrors"] += 1
+            reply, out = {"mirror": name}, [got]
+        try:
+            socket.send_fds(conn, [msgpack.packb(reply)], out)
+        except OSError:
+            pass
+        finally:
+            for fd in out:
+                os.close(fd)
 
     def _ticket_for(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> dict:
         ticket = Ticket(peer_of(conn), list(fds))
@@ -194,12 +240,17 @@ class Handover:
         self.sock.close()
 
 
-def _is_request(data: bytes) -> bool:
+def _request(data: bytes):
+    """The request map, or None when it is not one of ours."""
     try:
         obj = msgpack.unpackb(data)
     except Exception:  # msgpack raises several unrelated types
-        return False
-    return isinstance(obj, dict) and obj.get("v") == 1
+        return None
+    return obj if isinstance(obj, dict) and obj.get("v") == 1 else None
+
+
+def _is_request(data: bytes) -> bool:
+    return _request(data) is not None
 
 
 def _is_memory(fd: int) -> bool:

@@ -10,8 +10,10 @@ dropped for room, flushed, found bad or found by the start-up scan), before
 any reply goes out, so a client that saw its store done finds it in the
 mirror. A block leaves the mirror only when it left both tiers: RAM asks the
 disk tier (``attach_lower``) and the disk tier asks RAM before removing.
-The segment is mode 0600 and owned by the daemon's user: only clients
-running as that user can map it; others are simply answered over the socket.
+The segment is mode 0600 and owned by the daemon's user: clients running as
+that user map it by name; clients of other users (the systemd deployment)
+get a read-only descriptor of it over the hand-over socket (``open_for``),
+only for a namespace they are registered in.
 A lookup answered from the mirror refreshes no recency (the load that
 follows does); its client reports it for the daemon's counters (``answered.py``).
 
@@ -24,7 +26,8 @@ nothing behind. On CPUs without x86 memory ordering there are no mirrors
 (``seqlock_safe``).
 
 Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket, ready_keys)``, ``.stored(bucket, keys)``,
-``.removed(bucket, key)``, ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``;
+``.removed(bucket, key)``, ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``,
+``.open_for(clients, peer, name) -> fd | why`` (a read-only descriptor for a registered process);
 the disk tier's side: ``.attach_lower(tier)`` (``tier.keys_of(ns_key)``, ``tier.on_disk(ns_key, key)``),
 ``.disk_stored(ns_key, keys)``, ``.disk_removed(ns_key, keys)`` (keys RAM still holds stay).
 """
@@ -36,6 +39,7 @@ import os
 import secrets
 
 from ..pool.index import Bucket
+from ..pool.segment import SHM_DIR
 from ..pool.shm_index import PREFIX, ShmIndexWriter, segment_name, table_bytes
 
 log = logging.getLogger("kvtier.daemon")
@@ -116,6 +120,21 @@ class LookupIndexes:
         entry = self._writers.get(ns_key)
         if entry is not None and keys:
             entry[0].remove(keys)
+
+    def open_for(self, clients, peer, name: str) -> int | str:
+        """A read-only descriptor of table ``name`` for the process ``peer`` (kernel
+        credentials), or why not: only a process with a live session registered in the
+        table's namespace gets it (``daemon/handover.py`` passes it on, SCM_RIGHTS)."""
+        key = next((k for k, (w, _) in self._writers.items() if w.name == name), None)
+        if key is None:
+            return "no such lookup mirror"
+        if not any(c.peer is not None and (c.peer.uid, c.peer.pid) == (peer.uid, peer.pid)
+                   and any(not r.closing and r.ns.key == key for r in c.regs.values()) for c in clients):
+            return "no registration of this process uses that mirror"
+        try:  # O_RDONLY: the receiver can map it for reading only
+            return os.open(SHM_DIR + "/" + name.lstrip("/"), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            return f"cannot open the mirror: {exc.strerror}"
 
     def forget(self, bucket: Bucket) -> None:
         """The namespace is gone: unlink its table (readers keep their mappings until they close)."""

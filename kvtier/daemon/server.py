@@ -129,6 +129,9 @@ class Daemon:
         tiers = [t for t in (self.disk, self.remote) if t is not None]
         self.sessions = Sessions(getter, self.index, self.swap, self.counters, self.gpu, self.listener.handover,
                                  self.lookup_indexes, self.disk)
+        if self.lookup_indexes is not None and self.listener.handover is not None:  # engines of other users
+            mirrors, sessions = self.lookup_indexes, self.sessions
+            self.listener.handover.serve_mirrors(lambda peer, name: mirrors.open_for(sessions.clients.values(), peer, name))
         self.copies = CopyRunner(self.pool, self.segment.buffer if config.checksums or self.warm else None,
                                  getter, send, self.sessions.release_if_idle, self.counters, self.errors,
                                  self.housekeeping.latency, crcs=self.crcs, journal=self.warm,

@@ -15,7 +15,9 @@ client asks over the socket) and the daemon does not build mirrors at all.
 
 Tenancy: one segment per namespace, named with a random token that the daemon
 hands only to clients registered in that namespace, mode 0600 (or the pool's
-group mode), so a client can only read the namespaces it may see.
+group mode), so a client can only read the namespaces it may see. Engines of
+other users get a read-only descriptor of it over the hand-over socket
+(``daemon/handover.py``), again only for a namespace they are registered in.
 
 Bounded work for hostile keys: an insert that would land past the
 ``MAX_PROBE`` buckets a lookup probes marks the table overflowed (readers
@@ -28,7 +30,7 @@ many for the last 8 bytes, then ``capacity`` state bytes (0 empty, 1 ready, 2
 tombstone). Slots come in buckets of ``BUCKET``.
 
 Primitives: ``ShmIndexWriter(name, capacity).add(hashes)``, ``.remove(hashes)``,
-``.clear()``, ``.close()``; ``ShmIndexReader(name).ready_prefix(packed) -> int | None``,
+``.clear()``, ``.close()``; ``ShmIndexReader(name, fd=None).ready_prefix(packed) -> int | None``,
 ``.close()``; ``segment_name(token)``, ``table_bytes(max_keys)``, ``seqlock_safe()``. ``hashes`` are 16-byte digests (a list or
 packed bytes).
 """
@@ -278,22 +280,33 @@ class _Write:
 class ShmIndexReader:
     """Client side: answers ready prefixes from the mapped table, or None."""
 
-    def __init__(self, name: str, machine: str | None = None):
+    def __init__(self, name: str, machine: str | None = None, fd: int | None = None):
+        """Map the table ``name``, or, given ``fd`` (a read-only descriptor the daemon
+        handed over: engines of other users than the daemon's), that one; the
+        reader owns ``fd`` from here (closed once mapped, also on failure)."""
         if not seqlock_safe(machine):
+            if fd is not None:
+                os.close(fd)
             raise SegmentError(f"index segment {name}: its seqlock needs x86 memory ordering, "
                                f"this CPU is {machine or platform.machine()}")
         # Mapped read-only: a client cannot write the table other clients read.
+        if fd is None:
+            try:
+                shm = posix_ipc.SharedMemory(name, read_only=True)
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError, ValueError) as exc:
+                raise SegmentError(f"index segment {name}: {exc}") from None
+            fd, close = shm.fd, shm.close_fd
+        else:
+            close = lambda: os.close(fd)  # noqa: E731
         try:
-            shm = posix_ipc.SharedMemory(name, read_only=True)
-        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError, ValueError) as exc:
-            raise SegmentError(f"index segment {name}: {exc}") from None
-        try:
-            size = os.fstat(shm.fd).st_size
+            size = os.fstat(fd).st_size
             if size < _size(64):
                 raise SegmentError(f"index segment {name} is too small ({size} bytes)")
-            self._mmap = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
+            raise SegmentError(f"index segment {name}: {exc}") from None
         finally:
-            shm.close_fd()
+            close()
         self.t = _Table(self._mmap, size, name)
         if int(self.t.header[MAGIC_W]) != MAGIC:
             self.close()
