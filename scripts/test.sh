@@ -38,11 +38,12 @@ TORCH_TESTS=("${HF_TESTS[@]}" tests/transfer/test_copy_rows.py tests/transfer/te
              tests/transfer/test_layout_runs.py tests/transfer/test_cuda_cpu.py
              tests/client/test_session.py tests/e2e/test_two_engines.py)
 # kvtier's own vLLM tests run again on vLLM 0.33 (its Python sources over the CPU
-# build's kernels: tests/integrations/vllm_sdist.py): the worker, and real engines
-# with sync loads (0.33 only; skipped in the main pass). test_vllm.py passes there
-# too (run by hand: its six engine processes would add ~5 min to CI). vLLM 0.33's
+# build's kernels: tests/integrations/vllm_sdist.py): the worker, real engines with
+# sync loads (0.33 only; skipped in the main pass), and real engines sharing a prefix
+# through a daemon that is then killed (test_vllm.py: 2 min 40 s here). vLLM 0.33's
 # own offloading tests run in the main pass (test_vllm_contract_033.py).
-VLLM_033_TESTS=(tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_sync_loads.py)
+VLLM_033_TESTS=(tests/integrations/test_vllm_worker.py tests/integrations/test_vllm_sync_loads.py
+                tests/integrations/test_vllm.py)
 
 need_python
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then

@@ -30,12 +30,13 @@ def daemon_pythonpath() -> str:
 # collection order, so a slow file collected late ran alone at the end (a loaded run
 # spent its last 20 minutes on test_vllm.py and the benchmark smoke runs).
 SLOWEST_FIRST = (
-    "integrations/test_vllm.py", "daemon/test_warm_restart.py", "e2e/test_bench_status_smoke.py",
-    "integrations/test_vllm_hybrid.py", "daemon/test_kill_matrix.py", "integrations/test_vllm_contract_033.py",
-    "integrations/test_vllm_contract.py", "daemon/test_disk_tenants.py", "e2e/test_bench_vllm_smoke.py",
-    "integrations/test_vllm_tp.py", "daemon/test_disk_trust.py", "e2e/test_bench_peers_smoke.py",
-    "e2e/test_bench_hf_smoke.py", "e2e/test_benchmarks_smoke.py", "integrations/test_transformers.py",
-    "daemon/test_transfer_finality.py", "daemon/test_share_attacks.py", "daemon/test_tenant_share.py",
+    "integrations/test_vllm_hybrid.py", "daemon/test_warm_restart.py", "integrations/test_vllm_contract_033.py",
+    "daemon/test_kill_matrix.py", "integrations/test_vllm_contract.py", "daemon/test_disk_tenants.py",
+    "integrations/test_vllm_tp.py", "daemon/test_disk_trust.py", "integrations/test_vllm.py",
+    "e2e/test_trace_replay.py", "e2e/test_bench_peers_smoke.py", "daemon/test_transfer_finality.py",
+    "e2e/test_bench_status_smoke.py", "daemon/test_share_attacks.py", "integrations/test_vllm_roles.py",
+    "daemon/test_tenant_share.py", "e2e/test_bench_vllm_smoke.py", "e2e/test_bench_hf_smoke.py",
+    "e2e/test_benchmarks_smoke.py", "integrations/test_transformers.py", "integrations/test_vllm_events.py",
 )
 
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tests.e2e.benchrun import SMOKE_ENV
 
 SCRIPT = os.path.join(REPO, "scripts", "bench_peers.py")
 LMCACHE_PY = os.path.join(REPO, ".venv-lmcache", "bin", "python")
@@ -24,7 +25,7 @@ HAS_LMCACHE = os.path.exists(os.path.join(REPO, ".venv-lmcache", "bin", "lmcache
 
 def bench(*args: str, python: str = sys.executable, timeout: float = 1800) -> subprocess.CompletedProcess:
     return subprocess.run([python, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": REPO})
+                          env={**os.environ, "PYTHONPATH": REPO, **SMOKE_ENV})
 
 
 def check_rows(data: dict, shared: list[str]) -> None:
