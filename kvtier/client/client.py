@@ -316,6 +316,7 @@ class Client:
             return TransferHandle(self.channel, 0, count, deadline,
                                   failed_all(count, "daemon unavailable", names), names)
         try:
+            self.connection.piggyback()  # the mirror's counts, ahead of it (no round trip)
             req_id = self.channel.send(msg)
         except DaemonUnavailable as exc:  # never sent: nothing can touch the blocks
             self.connection.lose_session(str(exc))

@@ -154,28 +154,45 @@ class Connection:
         return default
 
     def call(self, msg, timeout: float | None = None):
+        self.piggyback()
         return self.channel.call(msg, timeout=timeout)
 
     # ---- management --------------------------------------------------------------------
     def stats(self, check: bool = False) -> dict:
         """The daemon's stats document; ``check`` also verifies pool integrity."""
-        return self.channel.call(m.Stats(check)).stats
+        return self.call(m.Stats(check)).stats
 
     def flush(self, fingerprint: str = "", timeout: float | None = None) -> int:
         """Blocks removed; the reply comes once all are freed (``timeout``: how long to wait for it)."""
-        return self.channel.call(m.Flush(fingerprint), timeout=timeout).removed
+        return self.call(m.Flush(fingerprint), timeout=timeout).removed
 
     def ping(self) -> None:
         if not self.report(self.timeout):  # a report is a round trip too
             self.channel.call(m.Ping())
 
+    def _tallies(self, only=None) -> tuple[list, list]:
+        """(taken, rows): each cache's mirror counts since the last report, taken, and the report's rows."""
+        taken = [(r, r.tally.take()) for r in list(self.registrations)
+                 if (only is None or r is only) and r.tally.lookups]
+        return taken, [[reg.reg, *counts] for r, counts in taken if (reg := r.registration) is not None]
+
+    def piggyback(self) -> None:
+        """Send the mirror's counts ahead of the request about to go, not waiting for their
+        reply (the daemon reads its socket in order: by that request's reply, they count)."""
+        taken, rows = self._tallies()
+        if not rows:
+            return
+        try:
+            self.channel.abandon(self.channel.send(m.LookupsAnswered(rows)))
+        except DaemonUnavailable:  # never sent: the next report carries them
+            for r, counts in taken:
+                r.tally.give_back(counts)
+
     def report(self, timeout: float, only=None) -> bool:
         """Send what the caches' lookup mirrors answered since the last report (``tally.py``;
         ``only``: one cache's); False when there was nothing to send. Counts of a report the
         daemon never got are given back for the next; one it refused is dropped (logged)."""
-        taken = [(r, r.tally.take()) for r in list(self.registrations) if only is None or r is only]
-        rows = [[reg.reg, *counts] for r, counts in taken
-                if counts[0] and (reg := r.registration) is not None]
+        taken, rows = self._tallies(only)
         if not rows:
             return False
         try:
