@@ -26,6 +26,9 @@ timed call (vLLM's CPU worker busy-polls for about a second after a request):
 * long prompts (``--long``, e.g. 8192): rows (a) and (b) at that length;
 * concurrency (``--concurrent N``): N engine processes of a system asking for the
   same stored prompt at once (a barrier), TTFT p50 / max, one system at a time;
+* pressure (``--trace EVERY``): sessions of a public prefix trace replayed through
+  the engines, stores smaller than their working set (``scripts/peers_pressure.py``):
+  prompt share served by the store, TTFT p50/p99, an offline LRU of the same size;
 * footprint: installed size of the packages each system adds to vLLM, resident
   memory of the service and per engine, start times.
 
@@ -46,6 +49,7 @@ import time
 from benchlib import REPO
 
 import peers_footprint
+import peers_pressure
 import peers_systems as ps
 
 sys.path.insert(0, os.path.join(REPO, "client"))
@@ -81,7 +85,7 @@ class Bench:
                 transfers[s] = self._service(s, env)
             except (RuntimeError, OSError) as e:
                 self.skipped[s] = f"its service did not start: {e}"
-        length = max([a.prefix_tokens, *a.long]) + a.suffix_tokens + 64
+        length = self.max_len()
         for s, transfer in transfers.items():
             python = a.python if not s.startswith("lmcache") else ps.lmcache_python()
             roles = ("A", "B") if s in SHARED_STORE else ("A",)  # the others' hits are A's own
@@ -96,6 +100,11 @@ class Bench:
                     e.close()
         print(f"started: {', '.join(self.engines)}; left out: "
               + ("; ".join(f"{s} ({why})" for s, why in self.skipped.items()) or "none"), flush=True)
+
+    def max_len(self) -> int:
+        a = self.args
+        trace = a.trace_cut * a.trace_block if a.trace else 0
+        return max([a.prefix_tokens + a.suffix_tokens, trace, *(n + a.suffix_tokens for n in a.long)]) + 64
 
     def _service(self, s: str, env: dict) -> dict | None:
         a = self.args
@@ -213,7 +222,7 @@ class Bench:
         """N processes of one system ask for the same stored prompt at once; one system at a
         time (N engines of every system alive together would not fit in this machine's memory)."""
         a, env = self.args, self.env()
-        length = max([a.prefix_tokens, *a.long]) + a.suffix_tokens + 64
+        length = self.max_len()
         for s in list(self.engines):
             es = self.engines[s]
             python = a.python if not s.startswith("lmcache") else ps.lmcache_python()
@@ -261,14 +270,16 @@ def main(argv=None) -> int:
     from report_peers import report
     with tempfile.TemporaryDirectory(prefix="kvtier-peers-") as tmp:
         model = vllm_offline.make_tiny_llama(os.path.join(tmp, "model"), layers=args.layers, hidden=args.hidden)
-        _longer_positions(model, max([args.prefix_tokens, *args.long]) + args.suffix_tokens + 64)
         bench = Bench(args, tmp)
+        _longer_positions(model, bench.max_len())
         try:
             bench.start(model)
             if "alone" not in bench.engines:
                 raise SystemExit("vLLM alone did not start: " + bench.skipped.get("alone", "?"))
             settings = bench.print_settings()
             bench.rounds()
+            if args.trace:
+                peers_pressure.replay(bench, SHARED_STORE)
             footprint = peers_footprint.measure(bench)
             if args.concurrent > 1:
                 bench.concurrent(model)
@@ -305,6 +316,11 @@ def parse_args(argv=None):
     ap.add_argument("--long-rounds", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=0, help="engines asking at once (0: no concurrency rows)")
     ap.add_argument("--conc-rounds", type=int, default=2)
+    ap.add_argument("--trace", type=int, default=0, metavar="EVERY",
+                    help="pressure row: replay the prefix trace's sessions whose first block id is a multiple of "
+                         "EVERY (32: 129 requests; scripts/peers_pressure.py); 0: no trace row")
+    ap.add_argument("--trace-cut", type=int, default=24, help="block ids kept of each trace request")
+    ap.add_argument("--trace-block", type=int, default=256, help="tokens per trace block id")
     ap.add_argument("--tp-prompts", type=int, default=8)
     ap.add_argument("--tp-tokens", type=int, default=1024)
     ap.add_argument("--tp-out", type=int, default=32)
@@ -334,6 +350,7 @@ def parse_args(argv=None):
         args.rounds, args.prefix_tokens, args.layers, args.hidden, args.warmup = 1, 256, 2, 128, 1
         args.tp_prompts, args.tp_tokens, args.tp_out, args.gap, args.kv_bytes = 2, 128, 4, 0.2, 64 * 2**20
         args.kvtier_pool, args.lmcache_l1_gb, args.offload_bytes = "256MiB", 0.25, 256 * 2**20
+        args.trace_block = 32
     return args
 
 

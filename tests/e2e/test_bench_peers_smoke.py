@@ -40,6 +40,16 @@ def check_rows(data: dict, shared: list[str]) -> None:
         assert data["service_cpu_s"][s] > 0
         assert data["footprint"][s]["service"]["rss_mib"] > 0
     assert data["footprint"]["kvtier"]["installed"]["packages"] >= 1
+    # The pressure row (--trace): every system asked for every trace request; the
+    # systems with a shared store serve part of the prompts from it (a session's turns
+    # alternate between A and B), and no prompt is served more than once over.
+    n = len(times["trace_ttft"]["alone"])
+    assert n >= 8 and all(len(times["trace_ttft"][s]) == n for s in data["systems"])
+    for s in data["systems"]:
+        served = sum(times["trace_ext"][s]) + sum(times["trace_local"][s])
+        assert served <= sum(times["trace_tokens"][s]), s
+    for s in shared:
+        assert sum(times["trace_ext"][s]) > 0, s
 
 
 @pytest.mark.skipif(HAS_LMCACHE, reason="covered by the run with LMCache below")
@@ -47,7 +57,7 @@ def test_kvtier_and_vllm_alone_side_by_side_and_vllm_offloading_says_why_not(tmp
     """kvtier's hits load the whole prompt in a second process; vLLM's own CPU offloading
     is left out with the exception vLLM raises on its CPU build, not silently dropped."""
     out = tmp_path / "peers.json"
-    p = bench("--quick", "--systems", "alone,kvtier,vllm-offload", "--out", str(out))
+    p = bench("--quick", "--systems", "alone,kvtier,vllm-offload", "--trace", "256", "--out", str(out))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["systems"] == ["alone", "kvtier"]
@@ -61,7 +71,8 @@ def test_lmcache_kvtier_and_vllm_alone_side_by_side(tmp_path):
     """The same with LMCache's server and connector (its venv runs every engine, so all
     systems share one vLLM and torch)."""
     out = tmp_path / "peers.json"
-    p = bench("--quick", "--systems", "alone,kvtier,lmcache-lmcache_driven,vllm-offload", "--out", str(out),
+    p = bench("--quick", "--systems", "alone,kvtier,lmcache-lmcache_driven,vllm-offload", "--trace", "256",
+              "--out", str(out),
               python=LMCACHE_PY)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
