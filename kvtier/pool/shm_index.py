@@ -105,6 +105,7 @@ class _Table:
         self.k1 = np.frombuffer(buf, dtype=np.uint64, count=cap, offset=at + 8 * cap)
         self.state = np.frombuffer(buf, dtype=np.uint8, count=cap, offset=at + 16 * cap)
         self.k0_rows = self.k0.reshape(-1, BUCKET)        # one row per bucket: a row gather per hash
+        self.k1_rows = self.k1.reshape(-1, BUCKET)
         self.state_rows = self.state.reshape(-1, BUCKET)
 
     def home(self, h0: np.ndarray) -> np.ndarray:
@@ -148,11 +149,20 @@ class _Table:
         lane = eq.argmax(1)
         slot = bucket * BUCKET + lane
         ok = (self.k0[slot] == h0) & (self.state[slot] == READY) & (self.k1[slot] == h1)
+        # Hashes sharing their first 8 bytes share a bucket: the first such slot may be another
+        # hash's. Those rows (never seen with real digests) are compared on all 16 bytes.
+        again = np.flatnonzero(~ok & (eq.sum(1) > 1))
+        if len(again):
+            b = bucket[again]
+            whole = eq[again] & (self.k1_rows[b] == h1[again, None]) & (self.state_rows[b] == READY)
+            hit = whole.any(1)
+            slot[again[hit]] = b[hit] * BUCKET + whole[hit].argmax(1)
+            ok[again[hit]] = True
         full = (self.state_rows[bucket] != EMPTY).all(1) if need_full else None
         return np.where(ok, slot, -1), full
 
     def close(self) -> None:
-        self.header = self.k0 = self.k1 = self.state = self.k0_rows = self.state_rows = None
+        self.header = self.k0 = self.k1 = self.state = self.k0_rows = self.k1_rows = self.state_rows = None
 
 
 def _size(capacity: int) -> int:

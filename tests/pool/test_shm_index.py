@@ -172,3 +172,22 @@ def test_a_reader_on_a_cpu_without_x86_ordering_refuses_to_map_the_table(table):
         with pytest.raises(SegmentError, match="x86"):
             ShmIndexReader(w.name, machine=machine)
     assert seqlock_safe("x86_64") and seqlock_safe("AMD64")
+
+
+def test_hashes_sharing_their_first_eight_bytes_are_all_found():
+    """Synthetic digests alike in their first 8 bytes land in one bucket and spill over;
+    each is still found (all 16 bytes compared), and the ready prefix is whole."""
+    from kvtier.pool.shm_index import ShmIndexReader, ShmIndexWriter, segment_name
+    w = ShmIndexWriter(segment_name(), 256)
+    try:
+        same = [bytes(8) + bytes([k]) * 8 for k in range(32)]
+        w.add(same)
+        w.add(same[:3])  # already there: not added twice
+        r = ShmIndexReader(w.name)
+        assert r.ready_prefix(b"".join(same)) == 32
+        assert r.ready_prefix(b"".join(same[:8] + [bytes(8) + b"\xee" * 8])) == 8
+        w.remove(same[5:6])
+        assert r.ready_prefix(b"".join(same)) == 5
+        r.close()
+    finally:
+        w.close()
