@@ -54,7 +54,7 @@ def start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:
     if not config.lookup_index:
         return None
     if not seqlock_safe():
-        log.warning("lookup_index is on but this CPU (%s) lacks x86 memory ordering, which the "
+        log.info("lookup_index is on but this CPU (%s) lacks x86 memory ordering, which the "
                     "mirror's readers need: lookups go over the socket", platform.machine())
         return None
     # A table is sized for the blocks both tiers can hold (within the budget, which the pool sets).
