@@ -29,6 +29,8 @@ timed call (vLLM's CPU worker busy-polls for about a second after a request):
 * pressure (``--trace EVERY``): sessions of a public prefix trace replayed through
   the engines, stores smaller than their working set (``scripts/peers_pressure.py``):
   prompt share served by the store, TTFT p50/p99, an offline LRU of the same size;
+* disk (``--disk SIZE``): a hit from each system's local disk tier once its RAM tier
+  was flooded (``scripts/peers_disk.py``);
 * footprint: installed size of the packages each system adds to vLLM, resident
   memory of the service and per engine, start times.
 
@@ -48,6 +50,7 @@ import time
 
 from benchlib import REPO
 
+import peers_disk
 import peers_footprint
 import peers_pressure
 import peers_systems as ps
@@ -111,12 +114,15 @@ class Bench:
         if s == "alone":
             return None
         if s == "kvtier":
-            self.services[s], transfer = ps.start_kvtier(self.tmp, a.kvtier_pool, env)
+            config = peers_disk.kvtier_config(self.tmp, a.disk) if a.disk else ""
+            self.services[s], transfer = ps.start_kvtier(self.tmp, a.kvtier_pool, env, config)
             return transfer
         if s.startswith("lmcache-"):
             if ps.lmcache_python() is None:
                 raise RuntimeError("no .venv-lmcache with LMCache (make it: bash scripts/peers_venv.sh)")
-            self.services[s], transfer = ps.start_lmcache(self.tmp, s.split("-", 1)[1], a.lmcache_l1_gb, env)
+            mode = s.split("-", 1)[1]
+            disk = peers_disk.lmcache_flags(self.tmp, mode) if a.disk else []
+            self.services[s], transfer = ps.start_lmcache(self.tmp, mode, a.lmcache_l1_gb, env, disk)
             return transfer
         return ps.vllm_offload(s, a.offload_bytes)
 
@@ -280,6 +286,8 @@ def main(argv=None) -> int:
             bench.rounds()
             if args.trace:
                 peers_pressure.replay(bench, SHARED_STORE)
+            if args.disk:
+                peers_disk.rounds(bench, SHARED_STORE, ps.kv_bytes_per_token(args))
             footprint = peers_footprint.measure(bench)
             if args.concurrent > 1:
                 bench.concurrent(model)
@@ -321,6 +329,10 @@ def parse_args(argv=None):
                          "EVERY (32: 129 requests; scripts/peers_pressure.py); 0: no trace row")
     ap.add_argument("--trace-cut", type=int, default=24, help="block ids kept of each trace request")
     ap.add_argument("--trace-block", type=int, default=256, help="tokens per trace block id")
+    ap.add_argument("--disk", default="", metavar="SIZE",
+                    help="disk row: kvtier's disk tier of SIZE and LMCache's file-system L2 under the run's "
+                         "temporary directory, a hit after the RAM tier was flooded (scripts/peers_disk.py)")
+    ap.add_argument("--disk-rounds", type=int, default=3)
     ap.add_argument("--tp-prompts", type=int, default=8)
     ap.add_argument("--tp-tokens", type=int, default=1024)
     ap.add_argument("--tp-out", type=int, default=32)
@@ -351,6 +363,8 @@ def parse_args(argv=None):
         args.tp_prompts, args.tp_tokens, args.tp_out, args.gap, args.kv_bytes = 2, 128, 4, 0.2, 64 * 2**20
         args.kvtier_pool, args.lmcache_l1_gb, args.offload_bytes = "256MiB", 0.25, 256 * 2**20
         args.trace_block = 32
+        if args.disk:  # RAM tiers small enough to flood with tiny prompts
+            args.kvtier_pool, args.lmcache_l1_gb = "16MiB", 0.016
     return args
 
 

@@ -75,8 +75,9 @@ class Service:
                 self.proc.wait()
 
 
-def start_kvtier(tmp: str, pool: str, env: dict) -> tuple[Service, dict]:
-    """A private daemon; returns it and the connector config that points vLLM at it."""
+def start_kvtier(tmp: str, pool: str, env: dict, config: str = "") -> tuple[Service, dict]:
+    """A private daemon (``config``: its TOML file; none: defaults, never the host's);
+    returns it and the connector config that points vLLM at it."""
     sys.path.insert(0, os.path.join(REPO, "client"))
     import vllm_offline
     from benchlib import no_system_config
@@ -84,19 +85,19 @@ def start_kvtier(tmp: str, pool: str, env: dict) -> tuple[Service, dict]:
     log = os.path.join(tmp, "kvtier-daemon.log")
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size", pool,
-                             *no_system_config()], env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+                             *(["--config", config] if config else no_system_config())], env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     _wait_for(lambda: os.path.exists(sock), proc, log, "kvtier-daemon")
     return Service("kvtier", proc, time.perf_counter() - t0, log), vllm_offline.kv_transfer_config(sock, 32)
 
 
-def start_lmcache(tmp: str, mode: str, l1_gb: float, env: dict) -> tuple[Service, dict]:
+def start_lmcache(tmp: str, mode: str, l1_gb: float, env: dict, extra: list[str] = ()) -> tuple[Service, dict]:
     """A private ``lmcache server`` (its own port) in CPU transfer mode ``mode``."""
     port = free_port()
     log = os.path.join(tmp, f"lmcache-{mode}.log")
     cmd = [os.path.join(LMCACHE_VENV, "bin", "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
            "--http-port", str(free_port()),  # its admin API (default 8080: two servers would collide)
            "--l1-size-gb", str(l1_gb), "--eviction-policy", "LRU", "--chunk-size", "256",
-           "--supported-transfer-mode", mode]
+           "--supported-transfer-mode", mode, *extra]
     if mode == "engine_driven":  # without a segment name it sends every block pickled over ZeroMQ
         cmd += ["--shm-name", f"lmcache-bench-{os.getpid()}-{port}"]
     t0 = time.perf_counter()
@@ -116,6 +117,12 @@ def vllm_offload(kind: str, cpu_bytes: int) -> dict:
                                               "block_size": 32}}
     return {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes}}
+
+
+def kv_bytes_per_token(args) -> int:
+    """KV bytes per token of the benchmark's model (make_tiny_llama: head size 64, hidden/128
+    KV heads, bfloat16)."""
+    return args.layers * 2 * max(1, args.hidden // 128) * 64 * 2
 
 
 def _listening(port: int) -> bool:

@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 
+import peers_disk
 import peers_pressure
+from peers_systems import kv_bytes_per_token
 from benchlib import REPO, median, pct, table
 
 ROWS = (("miss", "(a) TTFT of a new prompt (miss), median ms", 1e3),
@@ -55,8 +57,8 @@ def report(bench, settings: dict, footprint: dict) -> tuple[dict, list[str]]:
         if hits:
             rows.append([f"prompt tokens served on a hit ({n}-token prompt), median",
                          *(("–" if s == "alone" else f"{median(hits[s]):,.0f}") for s in systems)])
-    kv_per_token = a.layers * 2 * max(1, a.hidden // 128) * 64 * 2  # make_tiny_llama: head size 64, bfloat16
-    rows.extend(peers_pressure.rows(bench, kv_per_token))
+    rows.extend(peers_pressure.rows(bench, kv_bytes_per_token(a)))
+    rows.extend(peers_disk.rows(bench))
     rows.append(["service CPU s over the timed rounds", *(
         f"{bench.service_cpu[s]:.2f}" if s in bench.service_cpu else "–" for s in systems)])
     conc = times.get("concurrent", {})

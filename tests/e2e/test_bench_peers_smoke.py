@@ -50,6 +50,11 @@ def check_rows(data: dict, shared: list[str]) -> None:
         assert served <= sum(times["trace_tokens"][s]), s
     for s in shared:
         assert sum(times["trace_ext"][s]) > 0, s
+    # The disk row (--disk): once the RAM tier was flooded, B still gets the whole prompt,
+    # and kvtier's come from its disk tier.
+    for s in shared:
+        assert min(times["disk_hit_tokens"][s]) >= prompt - 32, (s, times["disk_hit_tokens"][s])
+    assert min(times["disk_loaded_blocks"]["kvtier"]) > 0
 
 
 @pytest.mark.skipif(HAS_LMCACHE, reason="covered by the run with LMCache below")
@@ -57,7 +62,8 @@ def test_kvtier_and_vllm_alone_side_by_side_and_vllm_offloading_says_why_not(tmp
     """kvtier's hits load the whole prompt in a second process; vLLM's own CPU offloading
     is left out with the exception vLLM raises on its CPU build, not silently dropped."""
     out = tmp_path / "peers.json"
-    p = bench("--quick", "--systems", "alone,kvtier,vllm-offload", "--trace", "256", "--out", str(out))
+    p = bench("--quick", "--systems", "alone,kvtier,vllm-offload", "--trace", "256", "--disk", "256MiB",
+              "--disk-rounds", "1", "--out", str(out))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["systems"] == ["alone", "kvtier"]
@@ -72,7 +78,7 @@ def test_lmcache_kvtier_and_vllm_alone_side_by_side(tmp_path):
     systems share one vLLM and torch)."""
     out = tmp_path / "peers.json"
     p = bench("--quick", "--systems", "alone,kvtier,lmcache-lmcache_driven,vllm-offload", "--trace", "256",
-              "--out", str(out),
+              "--disk", "256MiB", "--disk-rounds", "1", "--out", str(out),
               python=LMCACHE_PY)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
