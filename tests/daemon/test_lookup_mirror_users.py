@@ -99,7 +99,7 @@ def test_bad_mirror_requests_get_an_error_and_no_descriptor(daemon_factory):
     from kvtier.client.errors import DaemonUnavailable
     from kvtier.client.handover import fetch_mirror
     from tests.helpers import NS, make_kv
-    off = daemon_factory()
+    off = daemon_factory(env={"KVTIER_LOOKUP_INDEX": "false"})
     with pytest.raises(DaemonUnavailable, match="lookup_index is off"):
         fetch_mirror(off.socket, "/kvtier-ix.0")
     d = daemon_factory(env={"KVTIER_LOOKUP_INDEX": "true"})
