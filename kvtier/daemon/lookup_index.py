@@ -49,8 +49,10 @@ STALE_PREFIX = PREFIX
 
 
 class LookupIndexes:
-    def __init__(self, pool_bytes: int, budget: int):
-        self.pool_bytes, self.budget = pool_bytes, budget
+    def __init__(self, pool_bytes: int, budget: int, ask_on_miss: bool = False):
+        """``ask_on_miss``: the remote tier is on, which the tables do not mirror: readers
+        answer whole hits only and ask the daemon (which asks the cluster) past a miss."""
+        self.pool_bytes, self.budget, self.ask_on_miss = pool_bytes, budget, ask_on_miss
         # Keyed by namespace key (one bucket per key at a time: forget() goes with the bucket),
         # so the disk tier, which knows namespaces by key, reaches the same table.
         self._writers: dict[str, tuple[ShmIndexWriter, int]] = {}
@@ -70,7 +72,8 @@ class LookupIndexes:
                          "ask the daemon", bucket.key[:64])
                 return ""
             # The daemon's pid in the name lets a later daemon remove it if this one is killed.
-            w = ShmIndexWriter(segment_name(f"{os.getpid()}.{secrets.token_hex(16)}"), keys)
+            w = ShmIndexWriter(segment_name(f"{os.getpid()}.{secrets.token_hex(16)}"), keys,
+                               ask_on_miss=self.ask_on_miss)
             w.add(ready_keys())
             if self.lower is not None:  # what the disk holds is a hit too (after a restart: only there)
                 w.add(self.lower.keys_of(bucket.key))

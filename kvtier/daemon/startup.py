@@ -59,7 +59,8 @@ def start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:
         return None
     # A table is sized for the blocks both tiers can hold (within the budget, which the pool sets).
     held = config.pool_size + (config.disk_size if config.disk_path else 0)
-    return LookupIndexes(held, int(config.pool_size * config.lookup_index_share))
+    # The remote tier is not mirrored: a lookup the tables cannot answer whole asks the daemon.
+    return LookupIndexes(held, int(config.pool_size * config.lookup_index_share), ask_on_miss=bool(config.remote))
 
 
 def start_gpu(pool: torch.Tensor, config: DaemonConfig):

@@ -29,7 +29,7 @@ tombstones, flags), then ``capacity`` uint64 (each hash's first 8 bytes), as
 many for the last 8 bytes, then ``capacity`` state bytes (0 empty, 1 ready, 2
 tombstone). Slots come in buckets of ``BUCKET``.
 
-Primitives: ``ShmIndexWriter(name, capacity).add(hashes)``, ``.remove(hashes)``,
+Primitives: ``ShmIndexWriter(name, capacity, ask_on_miss=False).add(hashes)``, ``.remove(hashes)``,
 ``.clear()``, ``.close()``; ``ShmIndexReader(name, fd=None).ready_prefix(packed) -> int | None``,
 ``.close()``; ``segment_name(token)``, ``table_bytes(max_keys)``, ``seqlock_safe()``. ``hashes`` are 16-byte digests (a list or
 packed bytes).
@@ -51,6 +51,7 @@ MAGIC = 0x6B76_7469_6572_6978  # "kvtierix"
 HEADER_WORDS = 8
 MAGIC_W, CAP_W, SEQ_W, COUNT_W, TOMB_W, FLAGS_W = range(6)
 OVERFLOW = 1
+ASK_ON_MISS = 2         # a tier below the table's may hold the rest (remote): only whole hits are answered
 EMPTY, READY, TOMB = 0, 1, 2
 BUCKET = 8              # slots compared at once per hash
 LANES = np.arange(BUCKET, dtype=np.int64)[None, :]
@@ -177,7 +178,10 @@ def table_bytes(max_keys: int) -> int:
 class ShmIndexWriter:
     """Daemon side: owns the segment, mirrors adds and removals under the seqlock."""
 
-    def __init__(self, name: str, max_keys: int, mode: int = 0o600, group: int | None = None):
+    def __init__(self, name: str, max_keys: int, mode: int = 0o600, group: int | None = None,
+                 ask_on_miss: bool = False):
+        """``ask_on_miss``: readers answer whole hits only, asking the daemon past a miss
+        (a remote tier may hold what the table lacks)."""
         cap = _capacity(int(max_keys / MAX_LOAD) + 1)
         self.segment = ShmSegment(name, _size(cap), create=True, mode=mode, group=group)
         self.t = _Table(self.segment.buffer, self.segment.size, name, cap)
@@ -186,6 +190,8 @@ class ShmIndexWriter:
         self.t.state[:] = EMPTY
         self.t.header[:] = 0
         self.t.header[CAP_W] = cap
+        self.ask = ASK_ON_MISS if ask_on_miss else 0
+        self.t.header[FLAGS_W] = self.ask
         self.t.header[MAGIC_W] = MAGIC  # last: a reader seeing the magic sees a whole table
         self.name = name
 
@@ -231,7 +237,8 @@ class ShmIndexWriter:
         with _Write(t.header):
             t.state[:] = EMPTY
             t.k0[:] = 0
-            t.header[COUNT_W] = t.header[TOMB_W] = t.header[FLAGS_W] = 0
+            t.header[COUNT_W] = t.header[TOMB_W] = 0
+            t.header[FLAGS_W] = self.ask
 
     def _insert(self, h: np.ndarray) -> None:
         """Each hash into the first free slot of its home bucket or a later one.
@@ -334,11 +341,12 @@ class ShmIndexReader:
             seq = int(header[SEQ_W])
             if seq & 1:
                 continue
-            if int(header[FLAGS_W]) & OVERFLOW:
+            flags = int(header[FLAGS_W])
+            if flags & OVERFLOW:
                 return None
             n = t.first_miss(h[:, 0], h[:, 1])
             if int(header[SEQ_W]) == seq:
-                return n
+                return None if flags & ASK_ON_MISS and n < len(h) else n
         return None
 
     def close(self) -> None:

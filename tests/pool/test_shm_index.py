@@ -191,3 +191,20 @@ def test_hashes_sharing_their_first_eight_bytes_are_all_found():
         r.close()
     finally:
         w.close()
+
+
+def test_a_table_that_asks_on_a_miss_answers_whole_hits_only():
+    """With a remote tier below (not mirrored), a partial prefix is the daemon's to answer."""
+    from kvtier.pool.shm_index import ShmIndexReader, ShmIndexWriter, segment_name
+    w = ShmIndexWriter(segment_name(), 256, ask_on_miss=True)
+    try:
+        hs = [bytes([k]) * 16 for k in range(1, 9)]
+        w.add(hs[:4])
+        r = ShmIndexReader(w.name)
+        assert r.ready_prefix(b"".join(hs[:4])) == 4
+        assert r.ready_prefix(b"".join(hs)) is None  # ask the daemon
+        w.clear()  # a flush keeps the flag
+        assert r.ready_prefix(b"".join(hs[:1])) is None
+        r.close()
+    finally:
+        w.close()
