@@ -55,7 +55,7 @@ def start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:
         return None
     if not seqlock_safe():
         log.info("lookup_index is on but this CPU (%s) lacks x86 memory ordering, which the "
-                    "mirror's readers need: lookups go over the socket", platform.machine())
+                 "mirror's readers need: lookups go over the socket", platform.machine())
         return None
     # A table is sized for the blocks both tiers can hold (within the budget, which the pool sets).
     held = config.pool_size + (config.disk_size if config.disk_path else 0)
