@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 13 (--stores: 13.1 and 13.2).
 """The disk tier: load GB/s vs a sequential read of the same bytes, the I/O
 method, and what a disk hit costs a lookup.
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python
+# Feeds BENCHMARKS.md section 18 and docs/SCALE.md.
 """Scale: a pool of millions of small blocks (issue 35 item 5).
 
     python scripts/bench_scale.py [--pool 8GiB] [--block 4KiB] [--flush-blocks 1000000]

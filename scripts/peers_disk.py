@@ -1,3 +1,4 @@
+# Feeds BENCHMARKS.md section 19 (the disk row; 19.1), run through bench_peers.py --disk.
 """The disk row of ``scripts/bench_peers.py`` (``--disk SIZE``): a hit served from each
 system's local disk tier, its RAM tier having dropped the prompt.
 

@@ -1,3 +1,4 @@
+# Feeds BENCHMARKS.md section 19 (the pressure row; 19.1), run through bench_peers.py --trace.
 """The pressure row of ``scripts/bench_peers.py`` (``--trace EVERY``): a public prefix trace
 replayed through every system's engines with stores smaller than its working set.
 
