@@ -45,3 +45,12 @@ def test_every_module_the_layout_names_exists():
     existing = {os.path.basename(p) for p in modules()} | {
         f for d in ("scripts", "client") for f in os.listdir(os.path.join(REPO, d)) if f.endswith(".py")}
     assert named <= existing, f"named in README but gone: {sorted(named - existing)}"
+
+
+def test_every_design_note_in_docs_has_its_row():
+    """Each ``docs/*.md`` is a row of its own (`docs/NAME.md` in the first column)."""
+    section = layout_section()
+    rows = set(re.findall(r"^\| `(docs/[^`]+\.md)` \|", section, re.M))
+    notes = {f"docs/{f}" for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md")}
+    assert notes <= rows, f"README's layout section has no row for: {sorted(notes - rows)}"
+    assert rows <= notes, f"README's layout section names notes that are gone: {sorted(rows - notes)}"
