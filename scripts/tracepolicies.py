@@ -17,8 +17,18 @@ interface); ``tracesim.py --policies`` names them like its own:
                 blocks it stored): the tail enters as a whole if its head is counted
                 more often than the victim, else none of it (a tail without its head
                 can never hit)
-The constants are the published defaults (W-TinyLFU's 1% window and 10x sample),
-or one capacity, not fitted to the trace.
+  s3fifo        S3-FIFO (Yang et al., SOSP'23): a small FIFO of 10% of the capacity takes
+                new blocks; one referenced again while there moves to the main FIFO (90%),
+                the rest leave and are remembered in a ghost FIFO (as many ids as the main
+                part holds); a ghost referenced again enters the main part directly; the
+                main part reinserts a block referenced since its last pass (a 2-bit count,
+                one less per pass) and evicts the others
+  slru          segmented LRU: new blocks enter a probation LRU; a block referenced
+                there moves to a protected LRU of 80% of the capacity, whose overflow goes
+                back to probation's recent end; eviction takes probation's oldest first
+The constants are the published defaults (W-TinyLFU's 1% window and 10x sample,
+S3-FIFO's 10% small queue and move-on-one-reference as in libCacheSim, SLRU's 80%
+protected as in Caffeine), or one capacity, not fitted to the trace.
 """
 
 from __future__ import annotations
@@ -133,5 +143,78 @@ class WTinyLFU:
             self.main.popitem(last=False)
 
 
+class S3FIFO:
+    def __init__(self, capacity: int):
+        self.scap = max(1, capacity // 10)
+        self.mcap = max(1, capacity - self.scap)
+        self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
+        self.freq: dict[int, int] = {}  # references since insertion (or the last pass), at most 3
+
+    def __contains__(self, b) -> bool:
+        return b in self.small or b in self.main
+
+    def request(self, ids: list[int]) -> None:
+        for b in reversed(ids):  # tail first, as tracesim's other policies
+            if b in self:
+                self.freq[b] = min(3, self.freq[b] + 1)
+                continue
+            self.freq[b] = 0
+            if b in self.ghost:  # left the small queue unreferenced, and came back
+                del self.ghost[b]
+                self.main[b] = None
+                self._shrink_main()
+            else:
+                self.small[b] = None
+                self._shrink_small()
+
+    def _shrink_small(self) -> None:
+        while len(self.small) > self.scap:
+            b = self.small.popitem(last=False)[0]
+            if self.freq[b] >= 1:  # referenced while on probation: keep it
+                self.freq[b] = 0
+                self.main[b] = None
+                self._shrink_main()
+            else:
+                del self.freq[b]
+                self.ghost[b] = None
+                while len(self.ghost) > self.mcap:
+                    self.ghost.popitem(last=False)
+
+    def _shrink_main(self) -> None:
+        while len(self.main) > self.mcap:
+            b = self.main.popitem(last=False)[0]
+            if self.freq[b] > 0:  # a second chance per reference, as a 2-bit clock
+                self.freq[b] -= 1
+                self.main[b] = None
+            else:
+                del self.freq[b]
+
+
+class SLRU:
+    def __init__(self, capacity: int, protected_share: float = 0.8):
+        self.capacity = capacity
+        self.pcap = int(capacity * protected_share)
+        self.probation, self.protected = OrderedDict(), OrderedDict()
+
+    def __contains__(self, b) -> bool:
+        return b in self.probation or b in self.protected
+
+    def request(self, ids: list[int]) -> None:
+        for b in reversed(ids):  # tail first, as tracesim's other policies
+            if b in self.protected:
+                self.protected.move_to_end(b)
+            elif b in self.probation:
+                del self.probation[b]
+                self.protected[b] = None
+                while len(self.protected) > self.pcap:
+                    self.probation[self.protected.popitem(last=False)[0]] = None
+            else:
+                self.probation[b] = None
+        while len(self.probation) + len(self.protected) > self.capacity:
+            part = self.probation if self.probation else self.protected
+            part.popitem(last=False)
+
+
 POLICIES = {"children": children, "leaf-first": leaf_first, "wtinylfu": WTinyLFU,
-            "wtinylfu-tail": lambda capacity: WTinyLFU(capacity, per_request=True)}
+            "wtinylfu-tail": lambda capacity: WTinyLFU(capacity, per_request=True),
+            "s3fifo": S3FIFO, "slru": SLRU}

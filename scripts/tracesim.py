@@ -48,11 +48,21 @@ DEFAULT_TRACE = os.path.join(os.path.dirname(REPO), "shared", "traces", "mooncak
 
 def load_trace(path: str, limit: int = 0, start: int = 0) -> list[dict]:
     """The trace's requests in order, from request ``start`` (the first ``limit`` of them if > 0)."""
-    with open(path) as f:
-        reqs = [json.loads(line) for line in f if line.strip()]
-    for i, r in enumerate(reqs):
-        if not isinstance(r.get("hash_ids"), list) or not all(isinstance(h, int) for h in r["hash_ids"]):
+    try:
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        raise SystemExit(f"cannot read trace {path}: {e.strerror} (docs/EVICTION.md says where the traces come from)")
+    reqs = []
+    for i, line in enumerate(lines):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            raise SystemExit(f"{path}: request {i} is not a JSON object") from None
+        if not isinstance(r, dict) or not isinstance(r.get("hash_ids"), list) or \
+                not all(isinstance(h, int) for h in r["hash_ids"]):
             raise SystemExit(f"{path}: request {i} has no list of integer hash_ids")
+        reqs.append(r)
     reqs = reqs[start:]
     return reqs[:limit] if limit > 0 else reqs
 

@@ -12,15 +12,17 @@ from hypothesis import strategies as st
 from kvtier.disk.format import (FORMAT_VERSION, HEADER_BYTES, block_name, decode_header, encode_header,
                                 parse_name)
 from kvtier.disk.index import DiskEntry, DiskIndex
+from kvtier.pool.keys import ns_key
 
 KEY = bytes(range(16))
+NS_KEY = ns_key("uid0", "model|fp16")
 
 
 def test_a_header_round_trips_and_every_damage_is_named():
-    h = encode_header("uid0\x1fmodel|fp16", KEY, 7, 1 << 20, 0xDEADBEEF)
+    h = encode_header(NS_KEY, KEY, 7, 1 << 20, 0xDEADBEEF)
     assert len(h) == HEADER_BYTES
     got = decode_header(h)
-    assert (got.ns_key, got.key, got.seq, got.size, got.crc) == ("uid0\x1fmodel|fp16", KEY, 7, 1 << 20, 0xDEADBEEF)
+    assert (got.ns_key, got.key, got.seq, got.size, got.crc) == (NS_KEY, KEY, 7, 1 << 20, 0xDEADBEEF)
     assert decode_header(h[:100]) == "truncated header"
     assert decode_header(b"X" + h[1:]) == "not a kvtier block file"
     newer = bytearray(h)

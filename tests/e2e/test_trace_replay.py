@@ -62,7 +62,7 @@ def test_every_policy_lies_between_nothing_and_the_offline_bound():
     for cap in (1, 2, 3, 4, 6):
         bound = tracesim.hit_ratio("belady", cap, chains)
         for policy in ("lru", "lru2", "lrfu", "arc", "lfu", "oracle-ever", "oracle-count", "children", "leaf-first",
-                       "wtinylfu", "wtinylfu-tail", "ram+disk", "lru-combined"):
+                       "wtinylfu", "wtinylfu-tail", "s3fifo", "slru", "ram+disk", "lru-combined"):
             assert 0 <= tracesim.hit_ratio(policy, cap, chains) <= bound + 1e-12, (policy, cap)
     # Two blocks of LRU hold [1, 2] through the next request (the chain's tail goes first).
     assert tracesim.hit_ratio("lru", 2, [[1, 2, 3], [1, 2, 4]]) == pytest.approx(2 / 6)
@@ -108,3 +108,55 @@ def test_tinylfu_turns_away_a_first_seen_block_when_the_victim_was_seen_more():
     for ids in ([1], [1], [1], [2], [3], [4]):
         cache.request(ids)
     assert 1 in cache and 4 in cache  # 4 in the window; 2 or 3 turned away, 1 kept
+
+
+def test_s3fifo_keeps_a_block_read_twice_through_a_scan_of_blocks_read_once():
+    """Ten pools of one block each: the first block is read again while in the small
+    queue, so it moves to the main part; the scan that follows passes through the small
+    queue and the ghost, and the block is still there when it is asked for a third time.
+    LRU of the same size let it go by age."""
+    chains = [[1], [1]] + [[b] for b in range(2, 13)] + [[1]]
+    assert tracesim.hit_ratio("lru", 10, chains) == pytest.approx(1 / 14)
+    assert tracesim.hit_ratio("s3fifo", 10, chains) == pytest.approx(2 / 14)
+
+
+def test_s3fifo_admits_a_block_its_ghost_remembers_straight_to_the_main_part():
+    import tracepolicies
+
+    cache = tracepolicies.S3FIFO(10)  # small queue of one block
+    for ids in ([1], [2], [1]):  # 1 leaves unread for the ghost, then comes back
+        cache.request(ids)
+    assert 1 in cache.main and 2 in cache.small and 1 not in cache.ghost
+
+
+def test_slru_protects_a_block_read_twice_from_a_scan_of_new_blocks():
+    """A block referenced while on probation is protected; five new blocks then
+    pass through probation without evicting it, where LRU of five drops it."""
+    chains = [[1], [1], [2], [3], [4], [5], [6], [1]]
+    assert tracesim.hit_ratio("lru", 5, chains) == pytest.approx(1 / 8)
+    assert tracesim.hit_ratio("slru", 5, chains) == pytest.approx(2 / 8)
+
+
+@pytest.mark.parametrize("content, error", [
+    ('{"hash_ids": [1, 2]}\nnot json\n', "request 1 is not a JSON object"),
+    ('[1, 2]\n', "request 0 has no list of integer hash_ids"),
+    ('{"hash_ids": [1, "2"]}\n', "request 0 has no list of integer hash_ids"),
+    (None, "cannot read trace"),
+])
+def test_a_trace_that_is_missing_or_not_in_the_format_is_refused_with_its_line(tmp_path, content, error):
+    trace = tmp_path / "trace.jsonl"
+    if content is not None:
+        trace.write_text(content)
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tracesim.py"), "--trace", str(trace),
+                           "--policies", "lru,s3fifo,slru"], capture_output=True, text=True, timeout=120,
+                          cwd=SCRIPTS, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert error in proc.stderr
+
+
+def test_an_unknown_policy_name_is_refused_without_a_traceback():
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tracesim.py"), "--trace", os.devnull,
+                           "--policies", "lru,s4fifo"], capture_output=True, text=True, timeout=120,
+                          cwd=SCRIPTS, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unknown policy 's4fifo'" in proc.stderr
