@@ -32,7 +32,7 @@ taken for them on the store path), and blocks beyond the journal's record
 count (``journal.full``).
 
 Primitives: ``warm_names(config)``, ``WarmPool(config).open() -> ShmSegment``,
-``.adopt(index, crcs)``, ``.committed(plan, crcs)``, ``.removed(entry)``,
+``.adopt(index, crcs) -> [entry]``, ``.committed(plan, crcs)``, ``.removed(entry)``,
 ``.to_verify(op)``, ``.verified(offsets)``, ``.stats()``, ``.close()``;
 ``discard_kept(config)`` (warm_restart off: the kept pair goes).
 """
@@ -140,10 +140,11 @@ class WarmPool:
         self.journal = journal
         return ""
 
-    def adopt(self, index, crcs: dict | None = None) -> None:
-        """Make the journal's valid records READY blocks of ``index`` (fresh, empty)."""
+    def adopt(self, index, crcs: dict | None = None) -> list:
+        """Make the journal's valid records READY blocks of ``index`` (fresh, empty); the
+        adopted entries, oldest commit first (the lower tiers re-queue those they lack)."""
         if self.start != "warm":
-            return
+            return []
         t0 = time.monotonic()
         kept, rejected = self.journal.scan()
         by_ns: dict[str, list] = {}
@@ -165,7 +166,8 @@ class WarmPool:
                     taken.append(k)
                     entries.append((k.gen, e))
         # Eviction order as it was committed, across namespaces.
-        index.enter_in_order([e for _, e in sorted(entries, key=lambda ge: ge[0])])
+        ordered = [e for _, e in sorted(entries, key=lambda ge: ge[0])]
+        index.enter_in_order(ordered)
         self.journal.keep(taken)
         self.unverified = {k.offset: k.crc for k in taken}
         if crcs is not None:  # checksums on: the debug table knows the adopted blocks too
@@ -178,6 +180,7 @@ class WarmPool:
                  len(taken), format_size(sum(k.block_bytes for k in taken)),
                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.journal.created)), self.adopt_s,
                  rejected)
+        return ordered
 
     # ---- the index's and the copy runner's hooks (loop thread) ----------------------------
     def committed(self, plan, crcs: list) -> None:

@@ -3,6 +3,8 @@ only part that touches the block index or the disk index for disk work.
 
 Hooks (marked ``# disk tier hook`` where the daemon calls them):
 
+  adopted(entries)     warm restart: the kept blocks the disk lacks (after the start-up
+                       scan) join the backlog too; a SIGKILL loses none of them silently
   committed(plan)      an engine's store committed: its new blocks join their tenant's
                        write backlog, and the backlog feeds the write-behind queue
                        (pinned in the pool, at most ``queue_bytes``) tenant by tenant
@@ -72,6 +74,7 @@ class DiskBridge:
         self.scan_started = time.monotonic()
         self.scan_s = 0.0
         self.fit_pending = False        # a ("fit", None) is queued: more entries to drop next turn
+        self.adopted_wait: dict = {}    # warm restart: bucket -> adopted keys, until the scan ends
         io.scan()
 
     @property
@@ -107,6 +110,9 @@ class DiskBridge:
                 self.generation[k] += 1
         for k in self.backlog.namespaces() if keys is None else keys:
             self.backlog.forget(k)  # flushed from every tier: not written, by policy
+        gone = None if keys is None else set(keys)
+        for ns in [ns for ns in self.adopted_wait if gone is None or ns.key in gone]:
+            del self.adopted_wait[ns]  # adopted, flushed before the scan ended: the same
         victims = self.dindex.drop(keys)
         self._unlink(victims)
         return victims
@@ -123,14 +129,43 @@ class DiskBridge:
         is_ready = self.index.is_ready
         keys = [e.key for e in plan.entries if e is not None and is_ready(e)
                 and e.key not in on_disk and (key, e.key) not in self.writing]
-        if not keys:
-            return
-        if len(key.encode()) > MAX_NS_KEY:
+        if keys and self._enqueue(ns, keys):
+            self._feed()  # in memory (pins, a queued job): under 1% of a store's samples (docs/DISK_TIER.md)
+
+    def _enqueue(self, ns, keys: list) -> bool:
+        """``keys`` of ``ns`` (committed, not on disk) join their tenant's backlog; False when
+        they never can (a namespace key too long for a header: counted)."""
+        if len(ns.key.encode()) > MAX_NS_KEY:
             self.counters["write_skipped"] += len(keys)
-            self.backlog.lost(owner_of(key), "too_long", len(keys))
-            return
-        self.backlog.add(owner_of(key), ns, keys)
-        self._feed()  # in memory (pins, a queued job): under 1% of a store's samples (docs/DISK_TIER.md)
+            self.backlog.lost(owner_of(ns.key), "too_long", len(keys))
+            return False
+        self.backlog.add(owner_of(ns.key), ns, keys)
+        return True
+
+    def adopted(self, entries: list) -> None:
+        """Warm restart (daemon/warm.py): the blocks the last daemon committed, oldest first.
+        A SIGKILL leaves some of them unwritten (in its backlog, or its queue); those the disk
+        lacks join the backlog once the start-up scan has said what the disk holds (before
+        it, every kept block would look unwritten and be written again)."""
+        for e in entries:
+            self.adopted_wait.setdefault(e.ns, []).append(e.key)
+        self.counters["warm_adopted"] += len(entries)
+        if not self.scanning:
+            self._requeue_adopted()
+
+    def _requeue_adopted(self) -> None:
+        """The scan is done: each adopted block is on disk, re-queued, or counted ``evicted``
+        (it left RAM before the scan ended; a flush meanwhile took it from ``adopted_wait``)."""
+        waiting, self.adopted_wait = self.adopted_wait, {}
+        for ns, keys in waiting.items():
+            on_disk = self.dindex.entries_of(ns.key) or {}
+            missing = [k for k in keys if k not in on_disk]
+            ready = [k for k in missing if self.index.ready_entry(ns, k) is not None]
+            self.counters["warm_on_disk"] += len(keys) - len(missing)
+            self.backlog.lost(owner_of(ns.key), "evicted", len(missing) - len(ready))
+            if ready and self._enqueue(ns, ready):
+                self.counters["warm_requeued"] += len(ready)
+        self._feed()
 
     def _feed(self) -> None:
         """Move backlog turns into the write-behind queue while it has room. A block is
@@ -272,6 +307,7 @@ class DiskBridge:
                 self._fit()
                 log.info("disk tier: %d blocks (%d bytes) found in %s in %.2fs", len(self.dindex),
                          self.dindex.used, self.io.root, self.scan_s)
+                self._requeue_adopted()
             elif job.kind == "write":
                 self._written(job)
             elif what == "expired":  # the loads waiting for it go on without its blocks
@@ -319,7 +355,8 @@ class DiskBridge:
                "backlog_limit_bytes": self.backlog.limit_bytes, "not_written": self.backlog.not_written(tenant),
                **{k: io.get(k, 0) for k in keys}, **{k: self.counters[k] for k in (
                    "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",
-                   "timed_out", "no_room", "late", "namespaces_dropped")},
+                   "timed_out", "no_room", "late", "namespaces_dropped",
+                   "warm_adopted", "warm_on_disk", "warm_requeued")},
                "last_errors": errors}
         shares = self.dindex.shares  # tenant_share of disk_size: a tenant at it dropped its own oldest
         out.update(tenant_share=shares.share, tenant_limit_bytes=shares.limit)

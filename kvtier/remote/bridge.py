@@ -1,8 +1,10 @@
 """The daemon's side of the remote tier: runs on the poll-loop thread and is
 the only part that touches the block index for remote work.
 
-The daemon calls it at four points (marked ``# remote tier hook`` there):
+The daemon calls it at these points (marked ``# remote tier hook`` there):
 
+  adopted(entries)     warm restart: the kept blocks join the backlog again, written
+                       only if the store lacks them (EXISTS first); none lost silently
   committed(plan)      after an engine's store committed: the new blocks join their
                        tenant's write backlog, which feeds the write-behind queue
                        (pinned in the pool, at most ``queue_bytes``) as it frees
@@ -42,6 +44,7 @@ maps a namespace key to its name across nodes, or None (local only).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from ..disk.schedule import WriteBacklog
 from ..pool.index import BlockIndex
@@ -66,6 +69,10 @@ class RemoteBridge:
         self.backlog = WriteBacklog(backlog_bytes or tier.settings.queue_bytes * 4)  # committed, not yet queued
         self.queued = 0                 # bytes of write-behind jobs in flight (pinned in the pool)
         self.retried = 0                # blocks whose write failed (store unreachable) back in the backlog
+        # Warm restart: adopted blocks waiting to be written if the store lacks them (an EXISTS
+        # first). Taken out at their turn; at most the adopted blocks, and emptied with the backlog.
+        self.recheck: set = set()       # (ns key, hash)
+        self.warm = Counter()           # requeued, present (held by the store already: not sent)
 
     @property
     def wakeup_fd(self) -> int:
@@ -77,6 +84,7 @@ class RemoteBridge:
         return {**self.tier.stats(), "local_only_tenants": len(self.unnamed), "pinned_bytes": self.queued,
                 "backlog_blocks": b.blocks if tenant is None else b.of(tenant),
                 "backlog_limit_bytes": b.limit_bytes, "retried": self.retried,
+                "warm_requeued": self.warm["requeued"], "warm_present": self.warm["present"],
                 "not_written": b.not_written(tenant)}
 
     def _name(self, ns) -> str | None:
@@ -107,6 +115,27 @@ class RemoteBridge:
         self.backlog.add(tenant, plan.ns, [e.key for e in entries])
         self._feed()
 
+    def adopted(self, entries: list) -> None:
+        """Warm restart (daemon/warm.py): the kept blocks, oldest first. Which of them the
+        last daemon had written is not recorded (a SIGKILL leaves some in its backlog), so
+        each joins the backlog again and is written if the store lacks it: its write job
+        asks EXISTS first (``if_missing``), and one the store holds is counted ``present``,
+        never sent twice. Tenants not named across nodes were never to be written."""
+        by_ns: dict = {}
+        for e in entries:
+            by_ns.setdefault(e.ns, []).append(e.key)
+        for ns, keys in by_ns.items():
+            if self._name(ns) is None:
+                continue
+            tenant = owner_of(ns.key)
+            if ns.block_bytes > self.tier.settings.queue_bytes:
+                self.backlog.lost(tenant, "too_large", len(keys))
+                continue
+            self.recheck.update((ns.key, k) for k in keys)
+            self.warm["requeued"] += len(keys)
+            self.backlog.add(tenant, ns, keys)
+        self._feed()
+
     def _feed(self) -> None:
         """Move backlog turns into the write-behind queue while it has room and the store is
         up. A block is pinned from here until written; one gone from RAM is counted."""
@@ -116,6 +145,7 @@ class RemoteBridge:
             if turn is None:
                 return
             tenant, ns, keys = turn
+            check = bool(self.recheck) and _take(self.recheck, ns.key, keys)
             entries = self.index.ready_entries(ns, keys)
             self.backlog.lost(tenant, "evicted", len(keys) - len(entries))
             name = self._name(ns)
@@ -125,25 +155,33 @@ class RemoteBridge:
                 continue
             self.index.pin(entries)
             n = self.tier.write(name, [e.key for e in entries], [e.offset for e in entries],
-                                ns.block_bytes, ("write", entries, tenant, ns))
+                                ns.block_bytes, ("write", entries, tenant, ns, check), if_missing=check)
             self.queued += n * ns.block_bytes
             if n < len(entries):  # the store went away since available(): they wait for it
                 self.index.unpin(entries[n:])
-                self.backlog.add(tenant, ns, [e.key for e in entries[n:]])
+                self._retry(tenant, ns, [e.key for e in entries[n:]], check)
                 del entries[n:]  # the token's list: what the write job releases when done
                 return
 
     def _written(self, job) -> None:
         """A write job is done: release its blocks; those the store could not take rejoin
         the backlog (they are written once it is back), the rest not written are counted."""
-        _, entries, tenant, ns = job.token
+        _, entries, tenant, ns, check = job.token
         self.index.unpin(entries)
         self.queued -= len(entries) * ns.block_bytes
+        self.warm["present"] += len(job.present)
         if job.failed:
             self.retried += len(job.failed)
-            self.backlog.add(tenant, ns, [entries[i].key for i in job.failed])
+            self._retry(tenant, ns, [entries[i].key for i in job.failed], check)
         for why, n in job.dropped.items():
             self.backlog.lost(tenant, why, n)
+        if not self.backlog.blocks:
+            self.recheck.clear()  # what is left there was flushed or dropped meanwhile
+
+    def _retry(self, tenant: str, ns, keys: list, check: bool) -> None:
+        if check:  # still written only if the store lacks it
+            self.recheck.update((ns.key, k) for k in keys)
+        self.backlog.add(tenant, ns, keys)
 
     def lookup(self, identity: bytes, req_id: int, ns, keys: list[bytes], hits: int) -> bool:
         if hits >= len(keys):
@@ -216,6 +254,13 @@ class RemoteBridge:
         if job.cancelled:  # the engine may reuse its blocks already: copy nothing into them
             pending.cancel()
         pending.land()
+
+
+def _take(recheck: set, ns_key: str, keys: list) -> bool:
+    """Take ``keys`` out of ``recheck``; whether any of them was there."""
+    n = len(recheck)
+    recheck.difference_update((ns_key, k) for k in keys)
+    return len(recheck) < n
 
 
 def open_remote(config, pool, index: BlockIndex, send, crcs: dict | None,

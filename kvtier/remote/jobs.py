@@ -9,13 +9,15 @@ all). The late answer is dropped. So a lookup that asks the store is
 answered within ``timeout_s`` whatever the store does, and a probe queued
 behind a hung one is answered by its own deadline too.
 
-Primitives: ``Job``, ``Deadlines(expire)`` with ``.add(job)``, ``.close()``.
+Primitives: ``Job``, ``Deadlines(expire)`` with ``.add(job)``, ``.close()``,
+``more_writes(q, first, batch_bytes)`` (write jobs batched into one pipeline).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +43,8 @@ class Job:
     failed: list = field(default_factory=list)   # fetch: indices not fetched intact; write: not written
                                                  # because the store was unreachable (the caller may retry)
     dropped: dict = field(default_factory=dict)  # write: why -> blocks not written for good (budget, rejected)
+    if_missing: bool = False     # write: SET only the blocks the store lacks (warm restart's re-queue)
+    present: list = field(default_factory=list)  # write, if_missing: indices the store held already
     crcs: list = field(default_factory=list)     # fetch: (offset, crc32) of verified payloads
     error: str = ""              # why the store could not be asked ("" = it answered)
 
@@ -78,3 +82,20 @@ class Deadlines:
             self._closed = True
             self._cv.notify()
         self._thread.join(5)
+
+
+def more_writes(q: queue.Queue, first: Job, batch_bytes: int) -> list[Job]:
+    """Write jobs queued behind ``first``, batched into one pipeline up to ``batch_bytes``
+    (a None stop marker met on the way stays queued for the thread's loop)."""
+    jobs, nbytes = [], len(first.keys) * first.size
+    while nbytes < batch_bytes:
+        try:
+            job = q.get_nowait()
+        except queue.Empty:
+            break
+        if job is None:
+            q.put(None)
+            break
+        jobs.append(job)
+        nbytes += len(job.keys) * job.size
+    return jobs

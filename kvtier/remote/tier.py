@@ -40,7 +40,7 @@ from collections import Counter, deque
 
 from . import values as v
 from .breaker import CLOSED, OPEN, Breaker
-from .jobs import Deadlines, Job
+from .jobs import Deadlines, Job, more_writes
 from .settings import RemoteSettings
 from .store import RedisStore, Unreachable
 from ..waker import Inbox
@@ -121,11 +121,13 @@ class RemoteTier:
         job.failed, job.error = list(range(len(job.keys))), "cancelled"
         self._done.put(job)
 
-    def write(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> int:
+    def write(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token,
+              if_missing: bool = False) -> int:
         """Write-behind of committed blocks; the caller holds them until the job is done.
         Returns how many of ``keys``, from the first, were queued: as many as fit in
         ``queue_bytes`` (a chain's prefix is what other nodes can use); 0 when the store
-        is unavailable. The caller releases the others at once."""
+        is unavailable. The caller releases the others at once. ``if_missing``: one
+        pipelined EXISTS first, and only the blocks the store lacks are SET (``job.present``)."""
         with self.lock:
             if self.breaker.state != CLOSED:
                 self.counters["write_skipped"] += len(keys)
@@ -136,7 +138,7 @@ class RemoteTier:
                 return 0
             self.queued_bytes += n * size
         self._queues["write"].put(Job("write", token, self._ns(fingerprint), list(keys[:n]), list(offsets[:n]),
-                                      size))
+                                      size, if_missing=if_missing))
         return n
 
     def completed(self) -> list[Job]:
@@ -188,7 +190,7 @@ class RemoteTier:
                     continue
                 if job is None:
                     return
-                jobs = [job] + (self._more_writes(q, job) if kind == "write" else [])
+                jobs = [job] + (more_writes(q, job, self.settings.batch_bytes) if kind == "write" else [])
                 try:
                     run(store, jobs)
                 except Exception as exc:  # a bug here must not lose the caller's job
@@ -209,21 +211,6 @@ class RemoteTier:
                         self._heal(store)
         finally:
             store.close()
-
-    def _more_writes(self, q: queue.Queue, first: Job) -> list[Job]:
-        """Batch queued write-behind jobs into one pipeline, up to ``batch_bytes``."""
-        jobs, nbytes = [], len(first.keys) * first.size
-        while nbytes < self.settings.batch_bytes:
-            try:
-                job = q.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                q.put(None)  # keep the stop marker for the loop
-                break
-            jobs.append(job)
-            nbytes += len(job.keys) * job.size
-        return jobs
 
     def _report(self, job: Job) -> None:
         with self.lock:
@@ -350,12 +337,23 @@ class RemoteTier:
         breaker open: worth another try), ``dropped`` (over the budget, refused: for good)."""
         items, owners = [], []  # owners[i]: (job, index) of items[i]
         tally: Counter = Counter()
+        checked = [j for j in jobs if j.if_missing]
+        try:  # a value already there is not sent again (its bytes, the budget)
+            found = iter(self._call(store.exists, [self.codec.key(j.ns, k) for j in checked for k in j.keys])
+                         if checked and self.breaker.state == CLOSED else ())
+            for j in checked:
+                j.present = [i for i, _ in enumerate(j.keys) if next(found, False)]
+        except Unreachable:
+            pass  # the SETs below fail the same way: retried
         for job in jobs:
             if self.breaker.state != CLOSED:  # opened while this job waited
                 tally["write_skipped"] += len(job.keys)
                 job.failed = list(range(len(job.keys)))
                 continue
+            present = set(job.present)
             for i, (key, off) in enumerate(zip(job.keys, job.offsets)):
+                if i in present:
+                    continue
                 if not self._within_budget(job.size):
                     tally["budget_skipped"] += 1
                     job.dropped["budget"] = job.dropped.get("budget", 0) + 1

@@ -7,11 +7,12 @@ least recently, not the oldest written. Real daemons, real files."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
 
-from tests.daemon.test_disk_tier import chain, disk_env, scanned
+from tests.daemon.test_disk_tier import block_files, chain, disk_env, scanned
 from tests.daemon.test_reaping import wait_for
 from tests.daemon.test_warm_restart import warm  # noqa: F401  (the fixture)
 from tests.helpers import NS, block_bytes, make_kv
@@ -113,6 +114,47 @@ def test_a_daemon_sigkilled_with_a_backlog_serves_each_block_right_or_not_at_all
     assert scanned(second)
     assert loads_back(second, kv, tags, want, exact=False) > 0
     assert second.stats()["disk"]["rejected"] == 0  # no torn file was indexed either
+
+
+def test_what_a_sigkilled_daemon_left_unwritten_is_written_after_a_warm_restart_or_counted(
+        warm, daemon_factory, tmp_path):  # noqa: F811
+    """SIGKILLed with blocks still waiting for the disk; the first chain's files are deleted
+    too, so at least 32 kept blocks are certainly not on disk. The warm restart re-queues
+    every adopted block the disk lacks once its scan is done: written + not_written (with a
+    reason) + already on disk == adopted. Then a cold daemon (the kept pool discarded) loads
+    every block on disk byte-exact from the files alone, and the written ones are among them."""
+    root = tmp_path / "disk"
+    env = disk_env(root)
+    first = warm(env=env, pool_size="4MiB", slab_size="1MiB")
+    kv = make_kv(seed=25)
+    want, tags = {}, []
+    with first.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        for tag in range(1, 8):  # 224 blocks: all in the 256-block pool, so all kept
+            want.update(store_chains(c, kv, [tag]))
+            tags.append(tag)
+            if tag >= 3 and first.stats()["disk"]["backlog_blocks"]:
+                break
+    first.stop(signal.SIGKILL)
+    gone = {k.hex() for k in chain(tags[0], 32)}
+    for f in block_files(root):
+        if os.path.basename(f).rpartition("-")[0] in gone:
+            os.unlink(f)
+
+    second = warm(env=env, pool_size="4MiB", slab_size="1MiB")
+    assert scanned(second)
+    s = drained(second)
+    adopted = second.stats()["warm_restart"]["adopted_blocks"]
+    lost = sum(n for why in s["not_written"].values() for n in why.values())
+    assert adopted == 32 * len(tags) and s["warm_adopted"] == adopted
+    assert s["warm_requeued"] >= 32 and s["written"] + lost == s["warm_requeued"]
+    assert s["warm_on_disk"] + s["written"] + lost == adopted
+    assert s["blocks"] == adopted - lost
+    second.stop(signal.SIGTERM)
+
+    cold = daemon_factory(process=True, socket=warm.socket, env=env, pool_size="4MiB", slab_size="1MiB")
+    assert scanned(cold) and cold.stats()["pool"]["blocks"] == 0  # every byte below comes from the files
+    assert loads_back(cold, kv, tags, want, exact=not lost) == adopted - lost
 
 
 def test_the_disk_drops_the_files_used_least_recently_a_lookup_hit_counts(daemon_factory, tmp_path):

@@ -6,16 +6,19 @@ worth) is counted by reason in status, never dropped silently."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
 
 from kvtier.cli import main
 from kvtier.client import block_hashes
+from kvtier.pool.keys import ns_key
+from tests.daemon.test_warm_restart import warm  # noqa: F401  (the fixture)
 from tests.helpers import NS, make_kv
 from tests.remote.conftest import running_cluster
-from tests.remote.test_two_nodes import (TEAM, lookup_and_load, node, remote_stats, store_prefix,  # noqa: F401
-                                         wait_remote, wait_state, _secret_file)
+from tests.remote.test_two_nodes import (CODEC, TEAM, lookup_and_load, node, remote_stats,  # noqa: F401
+                                         store_prefix, wait_remote, wait_state, _secret_file)
 
 QUEUE = {"KVTIER_REMOTE_QUEUE": "64KiB"}  # 4 blocks of 16 KiB in flight
 
@@ -130,3 +133,50 @@ def test_a_flood_of_stores_while_the_cluster_is_down_keeps_the_backlog_within_th
     r = wait_remote(a, "written", 64)
     r = wait_backlog_empty(a)
     assert (r["written"], r["not_written"]) == (64, {TEAM: {"backlog_full": 32}})
+
+
+def test_a_daemon_sigkilled_with_a_backlog_writes_it_after_a_warm_restart(warm, daemon_factory,  # noqa: F811
+                                                                          own_cluster):
+    """A warm_restart node writes an 8-block chain, then, with a master SIGKILLed and the
+    breaker open, commits a 16-block chain that waits in the backlog, and is SIGKILLed. The
+    master comes back empty (the 8 it held are gone from it). The next daemon adopts all 24
+    kept blocks and re-queues them: those the cluster still holds are found by EXISTS and
+    not sent again (``warm_present``, exactly the ones a direct look finds), the rest are
+    written: written + present + not_written == adopted. Another node then loads both chains
+    byte for byte."""
+    cl = own_cluster
+    first = node(warm, cl.url, env=QUEUE)
+    early, late = chain(7_000_000, 8), chain(7_100_000, 16)
+    want_early = store_prefix(first, early, seed=51, ids=range(3, 11))
+    wait_remote(first, "written", 8)
+    open_breaker(first, cl)
+    want_late = store_prefix(first, late, seed=52, ids=range(3, 19))
+    assert remote_stats(first)["backlog_blocks"] == 16
+    first.stop(signal.SIGKILL)
+    cl.restart_master(0)
+    cl.wait_ok()
+    digest = CODEC.namespace(ns_key(TEAM, NS.fingerprint()))
+    still = sum(cl.client().exists(CODEC.key(digest, h)) for h in block_hashes(early, 16))
+
+    second = node(warm, cl.url, env=QUEUE)
+    assert second.stats()["warm_restart"]["adopted_blocks"] == 24
+    r = wait_backlog_empty(second)
+    assert (r["warm_requeued"], r["warm_present"], r["not_written"]) == (24, still, {})
+    assert r["written"] == 24 - still
+    b = node(daemon_factory, cl.url)
+    for tokens, want in ((early, want_early), (late, want_late)):
+        hits, result, got = lookup_and_load(b, tokens)
+        assert hits == len(tokens) // 16 and result.ok and got == want
+
+
+def test_a_warm_restart_of_a_tenant_not_named_across_nodes_queues_nothing(warm, cluster):  # noqa: F811
+    """Hostile to the accounting: a tenant the operator did not name never writes to the
+    cluster, before or after a warm restart: its adopted blocks are not re-queued, and
+    nothing is counted as not written (it was never to be written)."""
+    first = node(warm, cluster.url, tenants="", env=QUEUE)
+    store_prefix(first, chain(8_000_000, 8), seed=53, ids=range(3, 11))
+    first.stop(signal.SIGKILL)
+    second = node(warm, cluster.url, tenants="", env=QUEUE)
+    assert second.stats()["warm_restart"]["adopted_blocks"] == 8
+    r = remote_stats(second)
+    assert (r["warm_requeued"], r["backlog_blocks"], r["written"], r["not_written"]) == (0, 0, 0, {})
