@@ -174,6 +174,7 @@ PLANT = """
 import sys, os, mmap, posix_ipc
 sys.path.insert(0, {repo!r})
 from kvtier.pool.journal import Journal, journal_bytes
+from kvtier.pool.keys import ns_key
 os.setgroups([]); os.setresgid({uid}, {uid}, {uid}); os.setresuid({uid}, {uid}, {uid})
 pool, jname, size = {pool!r}, {jname!r}, {size}
 p = posix_ipc.SharedMemory(pool, posix_ipc.O_CREX, mode=0o600, size=size)
@@ -181,7 +182,7 @@ j = posix_ipc.SharedMemory(jname, posix_ipc.O_CREX, mode=0o600, size=journal_byt
 m = mmap.mmap(p.fd, size); m[0:16384] = b"\\x66" * 16384
 jm = mmap.mmap(j.fd, journal_bytes(size))
 jr = Journal.create(memoryview(jm), size, 4 * 2**20)
-print(jr.commit("uid0\\x1f" + {fp!r}, 16384, bytes([9, 0]) * 8, 0, 0))
+print(jr.commit(ns_key("uid0", {fp!r}), 16384, bytes([9, 0]) * 8, 0, 0))
 """
 
 

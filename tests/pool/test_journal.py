@@ -12,9 +12,11 @@ from kvtier.pool import journal as jn
 from kvtier.pool.allocator import SlabAllocator
 from kvtier.pool.index import BlockIndex
 from kvtier.pool.journal import Journal, journal_bytes
+from kvtier.pool.keys import ns_key
 
 POOL, SLAB = 64 * 2**20, 4 * 2**20
-A, B = "uid0\x1fmodel-a", "uid1000\x1fmodel-a"  # same fingerprint, two tenants
+A, B = ns_key("uid0", "model-a"), ns_key("uid1000", "model-a")  # same fingerprint, two tenants
+Z = ns_key("uid5", "model-z")
 
 
 def fresh():
@@ -104,13 +106,13 @@ def _restore_pack():
 def test_a_kill_after_any_byte_of_an_update_leaves_old_or_new_never_torn(update):
     ops = {
         "commit": lambda j: j.commit(A, 16384, b"n" * 16, 32768, 9),
-        "commit-new-namespace": lambda j: j.commit("uid5\x1fmodel-z", 16384, b"z" * 16, 32768, 9),
+        "commit-new-namespace": lambda j: j.commit(Z, 16384, b"z" * 16, 32768, 9),
         "remove": lambda j: j.remove(0, A),
         "remove-last-of-namespace": lambda j: j.remove(16384, B),
     }
     before = {(A, b"k" * 16, 0, 7), (B, b"old-block-B-0000", 16384, 8)}
     after = {"commit": before | {(A, b"n" * 16, 32768, 9)},
-             "commit-new-namespace": before | {("uid5\x1fmodel-z", b"z" * 16, 32768, 9)},
+             "commit-new-namespace": before | {(Z, b"z" * 16, 32768, 9)},
              "remove": before - {(A, b"k" * 16, 0, 7)},
              "remove-last-of-namespace": before - {(B, b"old-block-B-0000", 16384, 8)}}[update]
     seen = set()

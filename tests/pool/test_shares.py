@@ -1,7 +1,7 @@
 """Per-tenant pool shares in the index, without sockets.
 
 Pools are tiny (kit: 16 KiB slabs, 4 KiB blocks in namespace class A). A
-namespace key "tenant\\x1ffingerprint" belongs to that tenant; with share 0.5
+namespace key ``ns_key(tenant, fingerprint)`` belongs to that tenant; with share 0.5
 of an 8-slab pool one tenant may hold 4 slabs: 16 of its 32 A-blocks. A
 tenant is charged the slabs its size classes occupy, whole.
 """

@@ -10,12 +10,13 @@ import time
 
 import pytest
 
+from kvtier.pool.keys import ns_key
 from kvtier.remote import values as v
 from kvtier.remote.settings import RemoteSettings
 from kvtier.remote.tier import RemoteTier
 from tests.remote.conftest import SECRET
 
-FP = "team\x1ftiny-llama|float16|flashinfer|bs16|tp0of1"
+FP = ns_key("team", "tiny-llama|float16|flashinfer|bs16|tp0of1")
 CODEC = v.ValueCodec(SECRET)
 SIZE = 16 * 1024
 

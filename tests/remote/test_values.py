@@ -11,10 +11,11 @@ import zlib
 
 import pytest
 
+from kvtier.pool.keys import ns_key
 from kvtier.remote import values as v
 
 CODEC = v.ValueCodec(bytes(range(32)))
-NS = CODEC.namespace("team\x1ftiny-llama|float16|flashinfer|bs16|tp0of1")
+NS = CODEC.namespace(ns_key("team", "tiny-llama|float16|flashinfer|bs16|tp0of1"))
 KEY = bytes(range(16))
 BLOCK = os.urandom(4096)
 
@@ -43,7 +44,7 @@ def test_a_truncated_value_is_torn(cut):
 def test_a_value_of_another_block_or_namespace_is_foreign():
     """A valid value copied under another key (a replay) names its own block and namespace."""
     other_key = value(key=bytes(16))
-    other_ns = value(ns=CODEC.namespace("other-team\x1ftiny-llama|float16|flashinfer|bs16|tp0of1"))
+    other_ns = value(ns=CODEC.namespace(ns_key("other-team", "tiny-llama|float16|flashinfer|bs16|tp0of1")))
     assert CODEC.verify(other_key, NS, KEY, len(BLOCK)).status == v.FOREIGN
     assert CODEC.verify(other_ns, NS, KEY, len(BLOCK)).status == v.FOREIGN
 
@@ -76,10 +77,10 @@ def test_missing_is_its_own_verdict():
 def test_keys_differ_by_namespace_hash_and_secret_and_carry_no_hash_tag():
     k = CODEC.key(NS, KEY)
     assert k != CODEC.key(NS, bytes(16))
-    assert k != CODEC.key(CODEC.namespace("team\x1fx|y"), KEY)
+    assert k != CODEC.key(CODEC.namespace(ns_key("team", "x|y")), KEY)
     # Without the secret the namespace part of a key cannot be computed from the fingerprint.
-    assert k != v.ValueCodec(bytes(32)).key(v.ValueCodec(bytes(32)).namespace("team\x1ftiny-llama|float16|"
-                                                                               "flashinfer|bs16|tp0of1"), KEY)
+    assert k != v.ValueCodec(bytes(32)).key(v.ValueCodec(bytes(32)).namespace(
+        ns_key("team", "tiny-llama|float16|flashinfer|bs16|tp0of1")), KEY)
     assert b"{" not in k  # no hash tag: blocks spread over every master
 
 
