@@ -16,13 +16,13 @@
 # into RESULTS_DIR and folding its outcome into RESULTS_DIR/summary.json the
 # moment it ends, so a run cut short keeps every finished step:
 #   setup             ~15 s  (limit  60 s) wheels -> private site folder; machine, versions, commit
-#   gpu_tests         ~3 min (limit 270 s) ONE pytest pass over every GPU test (-m gpu): layouts x copy
+#   gpu_tests         ~3 min (limit 240 s) ONE pytest pass over every GPU test (-m gpu): layouts x copy
 #                                          methods, fences, two processes byte-exact, memory released,
 #                                          HF continuous batching on CUDA, the engine adapter on CUDA
-#   bench_gpu         ~1 min (limit  90 s) store/load GB/s next to pinned cudaMemcpy; pinning s/GiB
-#   bench_gpu_prefix  ~1 min (limit  90 s) TTFT of a 1,024-token prefix loaded from another process
+#   bench_gpu         ~1 min (limit  80 s) store/load GB/s next to pinned cudaMemcpy; pinning s/GiB
+#   bench_gpu_prefix  ~1 min (limit  80 s) TTFT of a 1,024-token prefix loaded from another process
 #                                          vs prefilled (HF, bf16, Llama-3-8B width, 8 layers)
-# Worst case, every limit reached: 8 min 30 s; expected ~5 min.
+# Worst case, every limit reached: 7 min 40 s; expected ~5 min.
 # At most 8 files land in RESULTS_DIR (what the device tool brings back).
 # Exit status: 0 when every step passed.
 set -uo pipefail
@@ -111,9 +111,14 @@ step() {  # step NAME LIMIT_S COMMAND...: run it under its limit, keep its log, 
     echo "== $name (limit ${limit}s): $*"
     local start=$SECONDS
     local rc
-    if declare -F "$1" >/dev/null; then  # a function of this script (setup: local, quick)
-        ( "$@" ) >"$RESULTS/$name.log" 2>&1
+    if declare -F "$1" >/dev/null; then  # a function of this script (setup): the same limit, by a watchdog
+        ( "$@" ) >"$RESULTS/$name.log" 2>&1 &
+        local pid=$!
+        ( sleep "$limit"; pkill -KILL -P "$pid"; kill -KILL "$pid" ) 2>/dev/null &
+        local watchdog=$!
+        wait "$pid"
         rc=$?
+        pkill -P "$watchdog" 2>/dev/null; kill "$watchdog" 2>/dev/null; wait "$watchdog" 2>/dev/null
     else  # timeout signals the command's whole process group: daemons a killed step started go too
         timeout --kill-after=10 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
         rc=$?
@@ -162,9 +167,9 @@ if ! "$PY" -c "import json,sys; sys.exit(not json.load(open('$RESULTS/summary.js
     echo "setup failed: see $RESULTS/setup.log" >&2
     exit 1
 fi
-step gpu_tests 270 "${GPU_TESTS[@]}" --junitxml="$WORK/gpu_tests.xml"
-step bench_gpu 90 "${BENCH_GPU[@]}" --out "$RESULTS/bench_gpu.json"
-step bench_gpu_prefix 90 "${BENCH_PREFIX[@]}" --out "$RESULTS/bench_gpu_prefix.json"
+step gpu_tests 240 "${GPU_TESTS[@]}" --junitxml="$WORK/gpu_tests.xml"
+step bench_gpu 80 "${BENCH_GPU[@]}" --out "$RESULTS/bench_gpu.json"
+step bench_gpu_prefix 80 "${BENCH_PREFIX[@]}" --out "$RESULTS/bench_gpu_prefix.json"
 
 "$PY" - "$RESULTS/summary.json" <<'EOF'
 import json, sys
