@@ -51,6 +51,7 @@ from .schedule import WriteBacklog
 
 log = logging.getLogger("kvtier.disk")
 FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us each measured
+ADOPT_BATCH = 4096  # warm restart: adopted blocks checked (and re-queued) per loop turn
 
 
 class DiskBridge:
@@ -74,7 +75,7 @@ class DiskBridge:
         self.scan_started = time.monotonic()
         self.scan_s = 0.0
         self.fit_pending = False        # a ("fit", None) is queued: more entries to drop next turn
-        self.adopted_wait: dict = {}    # warm restart: bucket -> adopted keys, until the scan ends
+        self.adopted_wait: dict = {}    # warm restart: bucket -> iterator over adopted keys, after the scan
         io.scan()
 
     @property
@@ -147,17 +148,25 @@ class DiskBridge:
         A SIGKILL leaves some of them unwritten (in its backlog, or its queue); those the disk
         lacks join the backlog once the start-up scan has said what the disk holds (before
         it, every kept block would look unwritten and be written again)."""
+        by_ns: dict = {}
         for e in entries:
-            self.adopted_wait.setdefault(e.ns, []).append(e.key)
+            by_ns.setdefault(e.ns, []).append(e.key)
+        self.adopted_wait.update((ns, iter(keys)) for ns, keys in by_ns.items())
         self.counters["warm_adopted"] += len(entries)
         if not self.scanning:
             self._requeue_adopted()
 
     def _requeue_adopted(self) -> None:
         """The scan is done: each adopted block is on disk, re-queued, or counted ``evicted``
-        (it left RAM before the scan ended; a flush meanwhile took it from ``adopted_wait``)."""
-        waiting, self.adopted_wait = self.adopted_wait, {}
-        for ns, keys in waiting.items():
+        (it left RAM before the scan ended; a flush meanwhile took it from ``adopted_wait``).
+        ``ADOPT_BATCH`` blocks a loop turn: a pool of millions is re-queued between requests."""
+        budget = ADOPT_BATCH
+        while self.adopted_wait and budget > 0:
+            ns, it = next(iter(self.adopted_wait.items()))
+            keys = list(islice(it, budget))
+            if len(keys) < budget:
+                del self.adopted_wait[ns]
+            budget -= len(keys)
             on_disk = self.dindex.entries_of(ns.key) or {}
             missing = [k for k in keys if k not in on_disk]
             ready = [k for k in missing if self.index.ready_entry(ns, k) is not None]
@@ -165,6 +174,8 @@ class DiskBridge:
             self.backlog.lost(owner_of(ns.key), "evicted", len(missing) - len(ready))
             if ready and self._enqueue(ns, ready):
                 self.counters["warm_requeued"] += len(ready)
+        if self.adopted_wait:
+            self.io.remind("requeue")
         self._feed()
 
     def _feed(self) -> None:
@@ -301,6 +312,8 @@ class DiskBridge:
                 self._found(job)
             elif what == "fit":
                 self._fit()
+            elif what == "requeue":
+                self._requeue_adopted()
             elif what == "scanned":
                 self.scanning = False
                 self.scan_s = time.monotonic() - self.scan_started
