@@ -16,7 +16,7 @@ as real lookups over the socket could, within the bound per report. It
 cannot touch another tenant's rows. The same counts go to ``mirror_lookups``
 / ``mirror_hits`` too, so an operator sees which share was self-reported.
 
-Primitives: ``check_report(client, counts, registration) -> rows``, ``add_report(rows)``.
+Primitives: ``check_report(client, counts, registration) -> rows``, ``add_report(rows, count)``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,7 @@ def check_report(client, counts, registration) -> list:
     return rows
 
 
-def add_report(rows: list) -> None:
+def add_report(rows: list, count) -> None:
+    """``count``: ``BlockIndex.count`` (the index owns the counters)."""
     for ns, lookups, keys, hits in rows:
-        stats = ns.stats
-        stats["lookups"] += lookups
-        stats["hits"] += hits
-        stats["misses"] += keys - hits
-        stats["mirror_lookups"] += lookups
-        stats["mirror_hits"] += hits
+        count(ns, lookups=lookups, hits=hits, misses=keys - hits, mirror_lookups=lookups, mirror_hits=hits)

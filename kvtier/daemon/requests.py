@@ -71,7 +71,7 @@ class RequestHandlers:
 
     def lookups_answered(self, client: ClientState, msg: m.LookupsAnswered, identity, req_id):
         """What the client's lookup mirrors answered: into the same counters (answered.py)."""
-        add_report(check_report(client, msg.counts, self.sessions.registration))
+        add_report(check_report(client, msg.counts, self.sessions.registration), self.index.count)
         return m.Ok()
 
     def bye(self, client: ClientState, msg, identity, req_id):

@@ -95,9 +95,7 @@ class DiskBridge:
             elif ready(ns, k) is None:
                 break
             n += 1
-        if n > hits:
-            ns.stats["disk_hits"] += n - hits
-        return n
+        return n  # the index counts the disk hits
 
     def flushed(self, ns) -> None:
         self.flush_keys(None if ns is None else [ns.key])
@@ -257,25 +255,15 @@ class DiskBridge:
 
     # ---- what the disk holds changed: block events and the lookup mirror ----------------------
     def stored(self, ns_key: str, keys: list) -> None:
-        for k in keys:
-            self.index.record("disk_stored", ns_key, k)
-        if self.index.mirror is not None:
-            self.index.mirror.disk_stored(ns_key, keys)
+        self.index.lower_stored(ns_key, keys)
 
     def removed(self, entries: list) -> None:
         """Entries that left the disk index: announced, and out of the mirror unless ready in RAM."""
         by_ns: dict = {}
         for v in entries:
-            self.index.record("disk_removed", v.ns_key, v.key)
             by_ns.setdefault(v.ns_key, []).append(v.key)
-        mirror = self.index.mirror
-        if mirror is None:
-            return
         for ns_key, keys in by_ns.items():
-            ns = self.index.namespaces.get(ns_key)
-            if ns is not None:
-                keys = [k for k in keys if self.index.ready_entry(ns, k) is None]
-            mirror.disk_removed(ns_key, keys)
+            self.index.lower_removed(ns_key, keys)
 
     def keys_of(self, ns_key: str) -> list:
         """The namespace's blocks on disk (a new mirror starts with them)."""

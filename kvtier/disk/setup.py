@@ -71,8 +71,6 @@ def open_disk(config, pool, index, crcs: dict | None, journal=None) -> DiskBridg
     bridge = DiskBridge(io, DiskIndex(config.disk_size, config.tenant_share), index, config.disk_timeout_s,
                         min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size, journal=journal)
     index.attach_lower(bridge)  # the one late link: the bridge is built over the index it extends
-    if index.mirror is not None:  # the lookup mirror holds disk blocks too
-        index.mirror.attach_lower(bridge)
     log.info("disk tier %s: %s, %d I/O threads, loads wait at most %.2fs; scanning its files",
              root, format_size(config.disk_size), config.disk_threads, config.disk_timeout_s)
     return bridge

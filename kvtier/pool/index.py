@@ -12,7 +12,8 @@ entry with pins > 0 is being loaded and is never evicted.
 
 Primitives (scheduler-style, no I/O):
   BlockIndex(allocator, policy, share, events=, mirror=, journal=)  its listeners, given once
-  attach_lower(tier)                       the disk tier (built over this index): .extend / .flushed
+  attach_lower(tier)                       the disk tier (built over this index), the mirror's too
+  lower_stored(ns_key, keys) / lower_removed(ns_key, keys)  what it holds changed: events, mirror
   namespace(key, block_bytes) -> Bucket    has_namespace(key), namespaces_matching(pred) -> [Bucket]
   lookup(ns, keys) -> int                  longest READY prefix, refreshes LRU
   prepare_store(ns, keys) -> StorePlan     dedups; pool full is a value
@@ -31,7 +32,8 @@ Primitives (scheduler-style, no I/O):
   drains: Drains                           start(buckets) hides at once, step(n) frees (pool/drain.py)
   check_integrity()
   tenants: TenantShares                    slabs per tenant; with share < 1 a store at it evicts its own
-  take_events() -> [(kind, namespace, hash)]  "stored" / "removed" (+ "disk_*", record()), if enabled
+  count(ns, **n)                           add to a namespace's counters (lookups a client's mirror answered)
+  take_events() -> [(kind, namespace, hash)]  "stored" / "removed" (+ "disk_*": lower_*), if enabled
 """
 
 from __future__ import annotations
@@ -75,10 +77,12 @@ class BlockIndex:
 
     def attach_lower(self, tier) -> None:
         """The disk tier is built over this index (it pins, stores and reads entries), so it
-        comes after it: its blocks extend lookups and a flush reaches it. Once, at start."""
+        comes after it: lookups, flushes and the lookup mirror reach its blocks. Once, at start."""
         if self.lower is not None:
             raise IntegrityError("a lower tier is attached already")
         self.lower = tier
+        if self.mirror is not None:
+            self.mirror.attach_lower(tier)
 
     # ---- namespaces ----------------------------------------------------------
     def namespace(self, key: str, block_bytes: int) -> Bucket:
@@ -111,9 +115,10 @@ class BlockIndex:
         found = ready_prefix(ns.ready_map, keys)
         self.policy.touch_chain(found)
         hits = len(found)
-        if self.lower is not None and hits < len(keys):  # the disk tier: its blocks are hits too
-            hits = self.lower.extend(ns, keys, hits)
         stats = ns.stats
+        if self.lower is not None and hits < len(keys):  # the disk tier: its blocks are hits too
+            ram, hits = hits, self.lower.extend(ns, keys, hits)
+            stats["disk_hits"] += hits - ram
         stats["lookups"] += 1
         stats["hits"] += hits
         stats["misses"] += len(keys) - hits
@@ -338,9 +343,23 @@ class BlockIndex:
             victims.append(e)
         return victims
 
-    def record(self, kind: str, ns_key: str, key: bytes) -> None:
-        if self.record_events:  # a tier below announces its blocks in the same stream
-            self._events.append((kind, ns_key, key))
+    def count(self, ns: Bucket, **n: int) -> None:
+        ns.stats.update(n)
+
+    # The tier below announces its blocks in the same event stream, and the lookup mirror holds them.
+    def lower_stored(self, ns_key: str, keys: list[bytes]) -> None:
+        if self.record_events:
+            self._events.extend(("disk_stored", ns_key, k) for k in keys)
+        if self.mirror is not None:
+            self.mirror.disk_stored(ns_key, keys)
+
+    def lower_removed(self, ns_key: str, keys: list[bytes]) -> None:
+        """Blocks that left the tier below: out of the mirror too, unless ready here."""
+        if self.record_events:
+            self._events.extend(("disk_removed", ns_key, k) for k in keys)
+        ns = self.namespaces.get(ns_key)
+        if self.mirror is not None:
+            self.mirror.disk_removed(ns_key, keys if ns is None else [k for k in keys if k not in ns.ready_map])
 
     def take_events(self) -> list[tuple[str, str, bytes]]:
         events, self._events = self._events, []
