@@ -43,7 +43,7 @@ from collections import Counter
 from itertools import islice
 
 from ..pool.keys import owner_of, split_key
-from .format import HEADER_BYTES, MAX_NS_KEY
+from .format import MAX_NS_KEY, file_bytes
 from .index import DiskEntry, DiskIndex
 from .io import DiskIO
 from .loads import DiskLoads
@@ -197,7 +197,7 @@ class DiskBridge:
             if not entries:
                 continue
             n = len(entries)
-            victims = self.dindex.reserve(n * (HEADER_BYTES + size), FIT_BATCH, tenant)
+            victims = self.dindex.reserve(n * file_bytes(size), FIT_BATCH, tenant)
             if victims is None:  # more than the tenant's share of disk_size (or all of it)
                 self.counters["write_skipped"] += n
                 self.backlog.lost(tenant, "over_share", n)
@@ -218,7 +218,7 @@ class DiskBridge:
         self.index.unpin(entries)
         self.queued -= len(entries) * size
         self.writing.difference_update((key, e.key) for e in entries)
-        self.dindex.release(len(entries) * (HEADER_BYTES + size), owner_of(key))
+        self.dindex.release(len(entries) * file_bytes(size), owner_of(key))
         stale = gen != self.generation[key]  # flushed while being written
         self.landed(key, len(entries))
         unannounced, added = [], []

@@ -23,6 +23,7 @@ Layout: a ``HEADER_BYTES`` header (the payload starts 4 KiB-aligned, so
 
 Primitives: ``encode_header(ns_key, key, seq, size, crc) -> bytes``,
 ``decode_header(buf) -> Header | str`` (a reason when it is not ours),
+``file_bytes(size)`` (what a block's file takes on disk: ``disk_size`` counts it),
 ``ns_dir(ns_key)``, ``block_name(key, seq)``, ``parse_name(name)``.
 """
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 MAGIC = b"KVTDISK\0"
 FORMAT_VERSION = 1
 HEADER_BYTES = 4096
+PAGE = 4096  # the allocation unit of ext4/xfs/tmpfs, and O_DIRECT's alignment: a file takes whole pages
 SUFFIX = ".kvb"
 TMP_DIR = "tmp"
 _FIXED = struct.Struct("<8sHHHHQQI")
@@ -49,6 +51,14 @@ class Header:
     seq: int
     size: int
     crc: int
+
+
+def file_bytes(size: int) -> int:
+    """The disk space a block file of ``size`` payload bytes takes: its header
+    plus payload rounded up to whole pages, since the filesystem allocates no
+    less (a 256-byte block's 4,352-byte file takes 8 KiB). Charging less would
+    let a tenant of small blocks fill the disk past ``disk_size``."""
+    return -(-(HEADER_BYTES + size) // PAGE) * PAGE
 
 
 def ns_dir(ns_key: str) -> str:

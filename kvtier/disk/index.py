@@ -43,7 +43,7 @@ import heapq
 import itertools
 from collections import Counter
 
-from .format import HEADER_BYTES
+from .format import file_bytes
 from .shares import DiskShares
 
 
@@ -56,14 +56,14 @@ class DiskEntry:
 
     @property
     def file_bytes(self) -> int:
-        return HEADER_BYTES + self.size
+        return file_bytes(self.size)  # whole pages, as the filesystem allocates
 
 
 class DiskIndex:
     def __init__(self, capacity: int, share: float = 1.0):
         self.capacity = capacity
         self.shares = DiskShares(capacity, share)
-        self.used = 0          # bytes of indexed files (headers included)
+        self.used = 0          # bytes of indexed files (headers included, rounded to pages)
         self.reserved = 0      # bytes of writes queued or running
         self.namespaces: dict[str, dict[bytes, DiskEntry]] = {}
         self.ns_bytes: Counter = Counter()  # payload bytes per namespace (stats read it every 0.5 s)

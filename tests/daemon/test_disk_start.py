@@ -12,7 +12,7 @@ import zlib
 import msgpack
 import zmq
 
-from kvtier.disk.format import HEADER_BYTES, block_name, decode_header, encode_header, ns_dir
+from kvtier.disk.format import HEADER_BYTES, block_name, decode_header, encode_header, file_bytes, ns_dir
 from tests.daemon.test_disk_tier import BLOCK, block_files, chain, disk_env, scanned, written
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
@@ -54,7 +54,7 @@ def test_a_start_over_a_disk_size_cut_answers_ram_hits_while_the_excess_is_dropp
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(events)
     d = daemon_factory(process=True, socket=sock, extra=["--events", events],
-                       env=disk_env(root, str(36 * (HEADER_BYTES + BLOCK) + keep_old * (HEADER_BYTES + SMALL))))
+                       env=disk_env(root, str(36 * file_bytes(BLOCK) + keep_old * file_bytes(SMALL))))
     mid_drop = 0  # RAM-hit lookups answered after the scan ended and before the index fitted disk_size
     with d.client(name="engine") as c:
         c.register_kv_cache(kv, [0] * 4, NS)

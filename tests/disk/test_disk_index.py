@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.disk.format import (FORMAT_VERSION, HEADER_BYTES, block_name, decode_header, encode_header,
-                                parse_name)
+                                file_bytes, parse_name)
 from kvtier.disk.index import DiskEntry, DiskIndex
 from kvtier.pool.keys import ns_key
 
@@ -46,17 +46,17 @@ def entry(ns, k, seq, size=100):
 
 
 def test_the_oldest_go_first_and_the_newer_copy_of_a_block_stays():
-    idx = DiskIndex(capacity=3 * (HEADER_BYTES + 100))
+    idx = DiskIndex(capacity=3 * file_bytes(100))
     for k in range(3):
         assert idx.add(entry("a", k, seq=k)) == []
-    victims = idx.reserve(HEADER_BYTES + 100)
+    victims = idx.reserve(file_bytes(100))
     assert [v.key[0] for v in victims] == [0]  # the oldest
-    idx.release(HEADER_BYTES + 100)
+    idx.release(file_bytes(100))
     assert idx.add(entry("a", 3, seq=3)) == []
     older = entry("a", 3, seq=1)
     assert idx.add(older) == [older]  # a stale copy found by the scan loses
     idx.touch(idx.entries_of("a")[bytes([1]) * 16])  # read back: young again
-    assert [v.key[0] for v in idx.reserve(2 * (HEADER_BYTES + 100))] == [2, 3]
+    assert [v.key[0] for v in idx.reserve(2 * (file_bytes(100)))] == [2, 3]
     assert idx.reserve(10 * HEADER_BYTES) is None  # can never fit
     idx.check_integrity()
 
@@ -65,14 +65,14 @@ def test_the_oldest_go_first_and_the_newer_copy_of_a_block_stays():
 @given(st.lists(st.tuples(st.sampled_from(["add", "reserve", "drop", "touch"]), st.integers(0, 20),
                           st.integers(0, 3)), max_size=80))
 def test_random_operations_keep_the_index_within_capacity(ops):
-    idx = DiskIndex(capacity=6 * (HEADER_BYTES + 100))
+    idx = DiskIndex(capacity=6 * file_bytes(100))
     seq, held = 0, 0
     for op, k, ns in ops:
         seq += 1
         if op == "add":
             idx.add(entry(f"ns{ns}", k, seq))
-        elif op == "reserve" and idx.reserve(HEADER_BYTES + 100) is not None:
-            held += HEADER_BYTES + 100
+        elif op == "reserve" and idx.reserve(file_bytes(100)) is not None:
+            held += file_bytes(100)
         elif op == "drop":
             idx.drop([f"ns{ns}"])
         elif op == "touch" and idx.entries_of(f"ns{ns}"):
@@ -85,7 +85,7 @@ def test_random_operations_keep_the_index_within_capacity(ops):
 @given(st.permutations(list(range(12))))
 def test_files_found_in_any_order_are_dropped_oldest_first(seqs):
     """The scan finds files in directory order; what exceeds the capacity goes by write order."""
-    idx = DiskIndex(capacity=5 * (HEADER_BYTES + 100))
+    idx = DiskIndex(capacity=5 * file_bytes(100))
     for s in seqs:
         assert idx.add(entry("a", s, seq=s), found=True) == []
     idx.check_integrity(fitted=False)
@@ -95,7 +95,7 @@ def test_files_found_in_any_order_are_dropped_oldest_first(seqs):
 
 def test_a_large_excess_is_dropped_in_slices_oldest_first_and_never_more_than_asked():
     """The loop drops at most ``limit`` entries per turn; ``over`` says another slice is due."""
-    idx = DiskIndex(capacity=5 * (HEADER_BYTES + 100))
+    idx = DiskIndex(capacity=5 * file_bytes(100))
     for s in range(12):
         idx.add(entry("a", s, seq=s), found=True)
     slices = []
@@ -103,20 +103,20 @@ def test_a_large_excess_is_dropped_in_slices_oldest_first_and_never_more_than_as
         slices.append([v.seq for v in idx.shrink(3)])
     assert slices == [[0, 1, 2], [3, 4, 5], [6]]
     idx.check_integrity()
-    assert idx.reserve(HEADER_BYTES + 100, limit=0) == [] and idx.over  # room made by a later slice
+    assert idx.reserve(file_bytes(100), limit=0) == [] and idx.over  # room made by a later slice
     assert [v.seq for v in idx.shrink(3)] == [7] and not idx.over
 
 
 def test_a_use_keeps_a_file_and_the_least_recently_used_goes_first():
     """Written a, b, c; then a is used (a load or a lookup hit): room for one more drops b."""
-    idx = DiskIndex(capacity=3 * (HEADER_BYTES + 100))
+    idx = DiskIndex(capacity=3 * file_bytes(100))
     a, b, c = (entry("n", k, seq=k) for k in range(3))
     for e in (a, b, c):
         idx.add(e)
     idx.touch(a)
-    assert idx.reserve(HEADER_BYTES + 100) == [b]
-    idx.release(HEADER_BYTES + 100)
+    assert idx.reserve(file_bytes(100)) == [b]
+    idx.release(file_bytes(100))
     idx.add(entry("n", 3, seq=3))
     idx.touch(c)
-    assert idx.reserve(HEADER_BYTES + 100) == [a]  # used before d was written and c used
+    assert idx.reserve(file_bytes(100)) == [a]  # used before d was written and c used
     idx.check_integrity(fitted=True)

@@ -6,11 +6,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.disk.format import HEADER_BYTES
+import os
+
+from kvtier.disk.format import HEADER_BYTES, encode_header, file_bytes
 from kvtier.disk.index import DiskEntry, DiskIndex
 from kvtier.pool.keys import SEP
 
-FILE = HEADER_BYTES + 100
+FILE = file_bytes(100)
 
 
 def entry(tenant, k, seq):
@@ -40,6 +42,28 @@ def test_a_tenant_writing_without_end_drops_only_its_own_oldest_files():
     assert sorted(int.from_bytes(k, "little") for k in alice) == list(range(135, 140))  # her newest 5
     assert idx.shares.usage() == {"alice": 5 * FILE, "bob": 4 * FILE}
     assert idx.shares.own_dropped["alice"] == 35
+
+
+def test_a_small_block_is_charged_the_whole_pages_its_file_takes(tmp_path):
+    """A 256-byte block's file is 4,352 bytes, which the filesystem stores in
+    two 4 KiB pages: the tenant is charged 8 KiB, not 4.3 KiB, so a tenant of
+    tiny blocks cannot put twice its share of disk_size on the disk."""
+    path = tmp_path / "block.kvb"
+    path.write_bytes(encode_header(f"alice{SEP}m", bytes(16), 1, 256, 0) + bytes(range(256)))
+    taken = os.stat(path).st_blocks * 512  # what this filesystem allocated for it
+    assert HEADER_BYTES + 256 < file_bytes(256) == 8192
+    assert taken <= file_bytes(256), taken
+    assert file_bytes(4096) == 8192 and file_bytes(4097) == 12288  # an aligned payload adds no page
+
+    idx = DiskIndex(capacity=64 * 1024, share=0.5)  # alice's share: 32 KiB, four such files
+    for k in range(10):
+        e = DiskEntry(f"alice{SEP}m", k.to_bytes(16, "little"), k, 256, 0, f"/alice/{k}")
+        assert idx.reserve(e.file_bytes, None, "alice") is not None
+        idx.add(e)
+        idx.release(e.file_bytes, "alice")
+        idx.check_integrity()
+    assert len(idx.entries_of(f"alice{SEP}m")) == 4  # 7 with the unrounded 4,352 B charge
+    assert idx.shares.usage() == {"alice": 4 * 8192} and idx.used == 32 * 1024
 
 
 def test_with_the_share_off_one_tenant_drops_everyones_files_as_before():
