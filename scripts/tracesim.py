@@ -4,7 +4,7 @@
 
     python scripts/tracesim.py [--trace FILE] [--capacities 0.01,0.02,0.05,0.1,0.2,0.4]
                                [--policies lru,lru2,lrfu,arc,lfu,oracle-ever,oracle-count,belady]
-                               [--requests N] [--start K] [--disk-x 10] [--json FILE]
+                               [--requests N] [--start K] [--disk-x 10] [--full-blocks] [--json FILE]
 
 A trace is one request per line, ``{"timestamp": ms, "hash_ids": [...]}``, each
 id one prefix-chained block (``../shared/traces/README.md``). Each request
@@ -12,6 +12,9 @@ hits the longest prefix of its ids that the cache holds; then every block of
 the request is referenced (the hit ones are read, the rest stored): tail first,
 so a chain's head ends most recent and goes last, as in kvtier's own order.
 Capacity is in blocks, as a share of the blocks the replayed requests name.
+``--full-blocks`` replays only each prompt's full 512-token blocks (the ids
+``input_length // 512`` covers), as an engine stores them: a prompt's last,
+partial block is never stored or looked up.
 
 Policies (all on the same request sequence):
   lru           kvtier's order (scripts/bench_trace.py checks a real daemon against it)
@@ -65,6 +68,16 @@ def load_trace(path: str, limit: int = 0, start: int = 0) -> list[dict]:
         reqs.append(r)
     reqs = reqs[start:]
     return reqs[:limit] if limit > 0 else reqs
+
+
+def chains_of(reqs: list[dict], full_blocks: bool = False, block_tokens: int = 512) -> list[list[int]]:
+    """Each request's block ids; ``full_blocks``: only those its prompt fills (``input_length``)."""
+    if not full_blocks:
+        return [r["hash_ids"] for r in reqs]
+    for i, r in enumerate(reqs):
+        if not isinstance(r.get("input_length"), int) or r["input_length"] < 0:
+            raise SystemExit(f"--full-blocks: request {i} has no integer input_length")
+    return [r["hash_ids"][:r["input_length"] // block_tokens] for r in reqs]
 
 
 def working_set(chains: list[list[int]]) -> int:
@@ -340,11 +353,13 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0, help="from request START (a later part of the trace)")
     ap.add_argument("--disk-x", type=float, default=10.0,
                     help="ram+disk and lru-combined: the disk tier holds this many pools of blocks")
+    ap.add_argument("--full-blocks", action="store_true",
+                    help="replay only the full blocks of each prompt (an engine stores no partial block)")
     ap.add_argument("--json", default="", help="also write the table as JSON to this file")
     args = ap.parse_args(argv)
     if not args.disk_x > 0 or math.isinf(args.disk_x):
         raise SystemExit(f"--disk-x must be a positive number of pools, not {args.disk_x}")
-    chains = [r["hash_ids"] for r in load_trace(args.trace, args.requests, args.start)]
+    chains = chains_of(load_trace(args.trace, args.requests, args.start), args.full_blocks)
     ws = working_set(chains)
     policies = args.policies.split(",")
     print(f"{os.path.basename(args.trace)}: {len(chains)} requests, working set {ws} blocks, "
@@ -358,7 +373,8 @@ def main(argv=None) -> int:
         print(f"{share:>9.0%} {cap:>7} " + " ".join(f"{row[p]:>12.3f}" for p in policies), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"trace": args.trace, "requests": len(chains), "working_set": ws, "rows": rows}, f, indent=2)
+            json.dump({"trace": args.trace, "requests": len(chains), "working_set": ws, "full_blocks": args.full_blocks,
+                       "rows": rows}, f, indent=2)
     return 0
 
 

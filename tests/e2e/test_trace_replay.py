@@ -154,6 +154,20 @@ def test_a_trace_that_is_missing_or_not_in_the_format_is_refused_with_its_line(t
     assert error in proc.stderr
 
 
+def test_full_blocks_replays_what_an_engine_stores_and_refuses_a_request_without_a_length(tmp_path):
+    """An engine stores only the blocks its prompt fills: 1,100 tokens are two of three ids."""
+    reqs = [{"input_length": 1100, "hash_ids": [1, 2, 3]}, {"input_length": 1024, "hash_ids": [1, 2]}]
+    assert tracesim.chains_of(reqs) == [[1, 2, 3], [1, 2]]
+    assert tracesim.chains_of(reqs, full_blocks=True) == [[1, 2], [1, 2]]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"input_length": 1100, "hash_ids": [1, 2, 3]}\n{"input_length": "a lot", "hash_ids": [1]}\n')
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tracesim.py"), "--trace", str(trace),
+                           "--full-blocks"], capture_output=True, text=True, timeout=120, cwd=SCRIPTS,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "request 1 has no integer input_length" in proc.stderr
+
+
 def test_an_unknown_policy_name_is_refused_without_a_traceback():
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tracesim.py"), "--trace", os.devnull,
                            "--policies", "lru,s4fifo"], capture_output=True, text=True, timeout=120,
