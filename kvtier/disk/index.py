@@ -23,7 +23,8 @@ entry was removed or re-keyed since are skipped when popped, and the heap
 is rebuilt when it holds more stale items than live ones.
 
 Primitives:
-  DiskIndex(capacity, share=1.0)            share < 1: per tenant (shares.py), a write at it drops its own
+  DiskIndex(capacity, share=1.0, policy="lru")   share < 1: per tenant (shares.py), a write at it drops
+                                           its own; policy: the pool's (fifo: uses do not count)
   entries_of(ns_key) -> {key: DiskEntry} | None    what a lookup or load reads
   reserve(nbytes, limit, tenant=None) -> [victims] | None  room for a write (None: it can never fit)
   release(nbytes, tenant=None)             a reserved write ended (added or failed)
@@ -46,6 +47,10 @@ from collections import Counter
 from .format import file_bytes
 from .shares import DiskShares
 
+# The pool's ``policy`` decides the disk's order too: whether a use (a load, a lookup's
+# disk hit) makes a file young again (lru) or files go in write order (fifo).
+USES_COUNT = {"lru": True, "fifo": False}
+
 
 class DiskEntry:
     __slots__ = ("ns_key", "key", "seq", "size", "crc", "path", "age", "used")
@@ -60,8 +65,11 @@ class DiskEntry:
 
 
 class DiskIndex:
-    def __init__(self, capacity: int, share: float = 1.0):
+    def __init__(self, capacity: int, share: float = 1.0, policy: str = "lru"):
+        if policy not in USES_COUNT:
+            raise ValueError(f"disk order follows policy: {policy!r} is not one of {sorted(USES_COUNT)}")
         self.capacity = capacity
+        self._uses_count = USES_COUNT[policy]
         self.shares = DiskShares(capacity, share)
         self.used = 0          # bytes of indexed files (headers included, rounded to pages)
         self.reserved = 0      # bytes of writes queued or running
@@ -159,8 +167,9 @@ class DiskIndex:
         return True
 
     def touch(self, entry: DiskEntry) -> None:
-        """A use: O(1) (a lookup touches every disk block it counts); the heap catches up in pop_lru."""
-        if entry.age >= 0:
+        """A use: O(1) (a lookup touches every disk block it counts); the heap catches up in pop_lru.
+        Under ``fifo`` nothing: files go in write order, as RAM's entries go in insert order."""
+        if entry.age >= 0 and self._uses_count:
             self._newest += 1
             entry.used = self._newest
             self.ns_newest[entry.ns_key] = self._newest

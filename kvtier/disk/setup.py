@@ -68,7 +68,8 @@ def open_disk(config, pool, index, crcs: dict | None, journal=None) -> DiskBridg
         return None
     root = check_dir(config.disk_path)
     io = DiskIO(root, pool, config.disk_threads)
-    bridge = DiskBridge(io, DiskIndex(config.disk_size, config.tenant_share), index, config.disk_timeout_s,
+    dindex = DiskIndex(config.disk_size, config.tenant_share, config.policy)  # its order follows the pool's
+    bridge = DiskBridge(io, dindex, index, config.disk_timeout_s,
                         min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size, journal=journal)
     index.attach_lower(bridge)  # the one late link: the bridge is built over the index it extends
     log.info("disk tier %s: %s, %d I/O threads, loads wait at most %.2fs; scanning its files",

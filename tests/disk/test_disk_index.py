@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -120,3 +121,25 @@ def test_a_use_keeps_a_file_and_the_least_recently_used_goes_first():
     idx.touch(c)
     assert idx.reserve(file_bytes(100)) == [a]  # used before d was written and c used
     idx.check_integrity(fitted=True)
+
+
+def test_under_fifo_the_disk_drops_files_in_write_order_whatever_was_used():
+    """The disk follows the pool's ``policy``: with ``fifo`` a load or a lookup hit
+    does not make a file young again, so the first written goes first."""
+    idx = DiskIndex(capacity=3 * file_bytes(100), policy="fifo")
+    a, b, c = (entry("n", k, seq=k) for k in range(3))
+    for e in (a, b, c):
+        idx.add(e)
+    idx.touch(a)
+    assert idx.reserve(file_bytes(100)) == [a]
+    idx.release(file_bytes(100))
+    idx.add(entry("n", 3, seq=3))
+    idx.touch(b)
+    assert idx.reserve(file_bytes(100)) == [b]
+    idx.check_integrity(fitted=True)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "", "LRU", None])
+def test_a_policy_the_disk_cannot_follow_is_refused_when_the_index_is_built(policy):
+    with pytest.raises(ValueError, match="disk order follows policy"):
+        DiskIndex(capacity=file_bytes(100), policy=policy)
