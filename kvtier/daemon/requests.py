@@ -171,8 +171,9 @@ class RequestHandlers:
 
     def _admit(self, client: ClientState) -> None:
         """``max_transfers_per_user`` counts every transfer the user has in the daemon:
-        copies running or queued, and loads waiting for disk reads."""
-        self.copies.admit(client, self.disk.waiting(client.uid) if self.disk is not None else 0)
+        copies running or queued, and loads waiting for a lower tier (disk reads,
+        remote fetches)."""
+        self.copies.admit(client, sum(t.waiting(client.uid) for t in self.tiers))
 
     def _run(self, prepared):
         """An op starts its copy (reply later); a reply means nothing to copy."""

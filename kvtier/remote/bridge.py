@@ -19,6 +19,9 @@ The daemon calls it at these points (marked ``# remote tier hook`` there):
                        fetch stops, the load is answered failed without a copy
   poll()               the tier's wakeup fd is readable: finish what completed,
                        feed the backlog into the room freed
+  waiting(uid) -> int  loads of that user waiting for a fetch: they count toward
+                       its ``max_transfers_per_user`` like its copies (a stalled
+                       store must not let one user park unbounded loads here)
 
 A store of any length reaches the store whole as the queue drains: the backlog
 (kvtier.disk.schedule.WriteBacklog, shared with the disk tier) names blocks by
@@ -65,6 +68,7 @@ class RemoteBridge:
         self.crcs = crcs                # the daemon's checksum table, when checksums are on
         self.cluster_name = cluster_name  # namespace key -> name across nodes, or None (local only)
         self.fetching: dict = {}        # (identity, request id) -> the fetch job of a load
+        self.loads_waiting: Counter = Counter()  # uid -> its loads waiting for a fetch
         self.unnamed: set[str] = set()  # tenants already logged as local-only
         self.backlog = WriteBacklog(backlog_bytes or tier.settings.queue_bytes * 4)  # committed, not yet queued
         self.queued = 0                 # bytes of write-behind jobs in flight (pinned in the pool)
@@ -84,6 +88,7 @@ class RemoteBridge:
         return {**self.tier.stats(), "local_only_tenants": len(self.unnamed), "pinned_bytes": self.queued,
                 "backlog_blocks": b.blocks if tenant is None else b.of(tenant),
                 "backlog_limit_bytes": b.limit_bytes, "retried": self.retried,
+                "loads_waiting": sum(self.loads_waiting.values()),  # a count, like the disk tier's
                 "warm_requeued": self.warm["requeued"], "warm_present": self.warm["present"],
                 "not_written": b.not_written(tenant)}
 
@@ -211,10 +216,15 @@ class RemoteBridge:
                               token) if got else None
         if job is not None:
             self.fetching[(pending.identity, pending.req_id)] = job
+            self.loads_waiting[pending.uid] += 1
             return True
         self.index.complete_store(plan, failed=range(len(plan.entries)))  # no room: load locally
         self.index.unpin(present)
         return False
+
+    def waiting(self, uid) -> int:
+        """Loads of ``uid`` waiting for a fetch: transfers in flight like its copies."""
+        return self.loads_waiting.get(uid, 0)
 
     def cancel(self, identity: bytes, req_id: int) -> bool:
         """The client cancels a load while its blocks are being fetched: the fetch
@@ -245,6 +255,9 @@ class RemoteBridge:
         (which, when the client cancelled meanwhile, answers every block failed)."""
         _, pending, plan, present = job.token
         self.fetching.pop((pending.identity, pending.req_id), None)
+        self.loads_waiting[pending.uid] -= 1  # before land(): the load takes its own place again
+        if not self.loads_waiting[pending.uid]:
+            del self.loads_waiting[pending.uid]
         failed = set(job.failed)
         fetched = [i for i, e in enumerate(plan.entries) if e is not None]
         self.index.complete_store(plan, failed=[fetched[j] for j in failed])
