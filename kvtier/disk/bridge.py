@@ -4,7 +4,8 @@ only part that touches the block index or the disk index for disk work.
 Hooks (marked ``# disk tier hook`` where the daemon calls them):
 
   adopted(entries)     warm restart: the kept blocks the disk lacks (after the start-up
-                       scan) join the backlog too; a SIGKILL loses none of them silently
+                       scan) join the backlog too, a batch as it runs low; a SIGKILL
+                       loses none of them silently
   committed(plan)      an engine's store committed: its new blocks join their tenant's
                        write backlog, and the backlog feeds the write-behind queue
                        (pinned in the pool, at most ``queue_bytes``) tenant by tenant
@@ -47,11 +48,10 @@ from .format import MAX_NS_KEY, file_bytes
 from .index import DiskEntry, DiskIndex
 from .io import DiskIO
 from .loads import DiskLoads
-from .schedule import WriteBacklog
+from .schedule import ADOPT_BATCH, Adopted, WriteBacklog
 
 log = logging.getLogger("kvtier.disk")
 FIT_BATCH = 1024  # index entries dropped per loop turn: ~10 ms at the ~6-21 us each measured
-ADOPT_BATCH = 4096  # warm restart: adopted blocks checked (and re-queued) per loop turn
 
 
 class DiskBridge:
@@ -75,7 +75,8 @@ class DiskBridge:
         self.scan_started = time.monotonic()
         self.scan_s = 0.0
         self.fit_pending = False        # a ("fit", None) is queued: more entries to drop next turn
-        self.adopted_wait: dict = {}    # warm restart: bucket -> iterator over adopted keys, after the scan
+        self.adopted_blocks = Adopted()  # warm restart: kept blocks to check, a batch at a time
+        self.requeue_pending = False    # a ("requeue", None) is queued: the next batch next turn
         io.scan()
 
     @property
@@ -109,9 +110,7 @@ class DiskBridge:
                 self.generation[k] += 1
         for k in self.backlog.namespaces() if keys is None else keys:
             self.backlog.forget(k)  # flushed from every tier: not written, by policy
-        gone = None if keys is None else set(keys)
-        for ns in [ns for ns in self.adopted_wait if gone is None or ns.key in gone]:
-            del self.adopted_wait[ns]  # adopted, flushed before the scan ended: the same
+        self.adopted_blocks.forget(None if keys is None else set(keys))  # the same for adopted ones
         victims = self.dindex.drop(keys)
         self._unlink(victims)
         return victims
@@ -144,27 +143,17 @@ class DiskBridge:
     def adopted(self, entries: list) -> None:
         """Warm restart (daemon/warm.py): the blocks the last daemon committed, oldest first.
         A SIGKILL leaves some of them unwritten (in its backlog, or its queue); those the disk
-        lacks join the backlog once the start-up scan has said what the disk holds (before
-        it, every kept block would look unwritten and be written again)."""
-        by_ns: dict = {}
-        for e in entries:
-            by_ns.setdefault(e.ns, []).append(e.key)
-        self.adopted_wait.update((ns, iter(keys)) for ns, keys in by_ns.items())
-        self.counters["warm_adopted"] += len(entries)
-        if not self.scanning:
-            self._requeue_adopted()
+        lacks join the backlog a batch at a time once the start-up scan has said what the disk
+        holds (before it, every kept block would look unwritten and be written again)."""
+        self.counters["warm_adopted"] += self.adopted_blocks.add(entries)
+        self._feed()
 
-    def _requeue_adopted(self) -> None:
-        """The scan is done: each adopted block is on disk, re-queued, or counted ``evicted``
-        (it left RAM before the scan ended; a flush meanwhile took it from ``adopted_wait``).
-        ``ADOPT_BATCH`` blocks a loop turn: a pool of millions is re-queued between requests."""
-        budget = ADOPT_BATCH
-        while self.adopted_wait and budget > 0:
-            ns, it = next(iter(self.adopted_wait.items()))
-            keys = list(islice(it, budget))
-            if len(keys) < budget:
-                del self.adopted_wait[ns]
-            budget -= len(keys)
+    def _pull_adopted(self) -> None:
+        """``ADOPT_BATCH`` adopted blocks: each is on disk, re-queued, or counted ``evicted`` (it
+        left RAM before its batch; a flush meanwhile took it out, by policy). The next batch comes
+        when the backlog runs low again, at the latest next loop turn: a kept pool of millions is
+        checked between requests, not in one turn."""
+        for ns, keys in self.adopted_blocks.pull(ADOPT_BATCH):
             on_disk = self.dindex.entries_of(ns.key) or {}
             missing = [k for k in keys if k not in on_disk]
             ready = [k for k in missing if self.index.ready_entry(ns, k) is not None]
@@ -172,13 +161,15 @@ class DiskBridge:
             self.backlog.lost(owner_of(ns.key), "evicted", len(missing) - len(ready))
             if ready and self._enqueue(ns, ready):
                 self.counters["warm_requeued"] += len(ready)
-        if self.adopted_wait:
+        if self.adopted_blocks.left and self.backlog.blocks < ADOPT_BATCH and not self.requeue_pending:
+            self.requeue_pending = True
             self.io.remind("requeue")
-        self._feed()
 
     def _feed(self) -> None:
         """Move backlog turns into the write-behind queue while it has room. A block is
         written from the pool if it is still there (pinned from here until written)."""
+        if self.adopted_blocks.left and not self.scanning and self.backlog.blocks < ADOPT_BATCH:
+            self._pull_adopted()
         self.io.hurry(self.backlog.urgent(self.io.urgent))
         while True:
             turn = self.backlog.take(self.queue_bytes - self.queued)
@@ -301,14 +292,15 @@ class DiskBridge:
             elif what == "fit":
                 self._fit()
             elif what == "requeue":
-                self._requeue_adopted()
+                self.requeue_pending = False
+                self._feed()
             elif what == "scanned":
                 self.scanning = False
                 self.scan_s = time.monotonic() - self.scan_started
                 self._fit()
                 log.info("disk tier: %d blocks (%d bytes) found in %s in %.2fs", len(self.dindex),
                          self.dindex.used, self.io.root, self.scan_s)
-                self._requeue_adopted()
+                self._feed()  # adopted blocks the disk lacks: their batches start now
             elif job.kind == "write":
                 self._written(job)
             elif what == "expired":  # the loads waiting for it go on without its blocks
@@ -353,6 +345,7 @@ class DiskBridge:
                "scan_s": round(self.scan_s, 3),
                "loads_waiting": len(self.loads.by_request), "reads_in_flight": len(self.loads.waiting_for), "namespaces": rows,
                "backlog_blocks": self.backlog.blocks if tenant is None else self.backlog.of(tenant),
+               "warm_waiting": self.adopted_blocks.left,
                "backlog_limit_bytes": self.backlog.limit_bytes, "not_written": self.backlog.not_written(tenant),
                **{k: io.get(k, 0) for k in keys}, **{k: self.counters[k] for k in (
                    "write_skipped", "write_failed", "loaded", "load_failed", "fail_fast",

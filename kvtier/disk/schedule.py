@@ -38,6 +38,8 @@ Primitives:
   WriteBacklog(limit_bytes)   .add(tenant, ns, keys), .take(room_bytes) -> (tenant, ns, keys) | None,
                               .forget(ns_key), .namespaces(), .lost(tenant, why, n), .blocks, .nbytes,
                               .of(tenant), .not_written(tenant=None)
+  Adopted()                   .add(entries), .pull(n) -> [(ns, [hash])], .forget(ns_keys | None),
+                              .counts() -> [(ns, n)], .left
   DiskJob(kind, token, items, size, deadline)   one verb's items, shared by its lane's threads
   IOQueues()                  .push(job), .take(lane) -> (job, index) | None, .reads, .writes, .urgent
 """
@@ -46,9 +48,11 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 BATCH = 32        # blocks of one tenant per turn
+ADOPT_BATCH = 1024  # adopted blocks (warm restart) pulled into a backlog at a time
 
 
 class WriteBacklog:
@@ -167,6 +171,50 @@ class WriteBacklog:
         if self.nbytes > self.limit_bytes:
             out.append(f"write backlog: {self.nbytes} bytes > limit {self.limit_bytes}")
         return out
+
+
+class Adopted:
+    """Blocks a warm restart adopted (daemon/warm.py), waiting to join a write backlog: a
+    SIGKILL may have left any of them unwritten. Per namespace an iterator over their hashes
+    in commit order, so a kept pool of millions costs a list per namespace, not a backlog
+    entry per block: the tier pulls a batch when its backlog runs low (the remote tier and,
+    once its start-up scan is done, the disk tier), and checks each block then."""
+
+    def __init__(self):
+        self.waiting: dict = {}  # bucket -> [iterator over hashes, how many it has left]
+        self.left = 0
+
+    def counts(self) -> list:
+        """[(ns, blocks waiting)]."""
+        return [(ns, w[1]) for ns, w in self.waiting.items()]
+
+    def add(self, entries: list) -> int:
+        by_ns: dict = {}
+        for e in entries:
+            by_ns.setdefault(e.ns, []).append(e.key)
+        for ns, keys in by_ns.items():
+            self.waiting[ns] = [iter(keys), len(keys)]
+            self.left += len(keys)
+        return len(entries)
+
+    def pull(self, n: int) -> list:
+        """Up to ``n`` hashes, oldest namespace first: [(ns, [hash])]."""
+        out = []
+        while self.waiting and n > 0:
+            ns, w = next(iter(self.waiting.items()))
+            keys = list(islice(w[0], min(n, w[1])))
+            w[1] -= len(keys)
+            self.left -= len(keys)
+            n -= len(keys)
+            if not w[1]:
+                del self.waiting[ns]
+            out.append((ns, keys))
+        return out
+
+    def forget(self, ns_keys) -> None:
+        """A flush (``ns_keys`` None: of everything): its blocks are gone from every tier, by policy."""
+        for ns in [ns for ns in self.waiting if ns_keys is None or ns.key in ns_keys]:
+            self.left -= self.waiting.pop(ns)[1]
 
 
 @dataclass(eq=False)

@@ -3,8 +3,9 @@ the only part that touches the block index for remote work.
 
 The daemon calls it at these points (marked ``# remote tier hook`` there):
 
-  adopted(entries)     warm restart: the kept blocks join the backlog again, written
-                       only if the store lacks them (EXISTS first); none lost silently
+  adopted(entries)     warm restart: the kept blocks join the backlog again, a batch as
+                       it runs low, written only if the store lacks them (EXISTS
+                       first); none lost silently
   committed(plan)      after an engine's store committed: the new blocks join their
                        tenant's write backlog, which feeds the write-behind queue
                        (pinned in the pool, at most ``queue_bytes``) as it frees
@@ -49,7 +50,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from ..disk.schedule import WriteBacklog
+from ..disk.schedule import ADOPT_BATCH, Adopted, WriteBacklog
 from ..pool.index import BlockIndex
 from ..pool.keys import owner_of, split_key
 from ..protocol import messages as m
@@ -73,9 +74,10 @@ class RemoteBridge:
         self.backlog = WriteBacklog(backlog_bytes or tier.settings.queue_bytes * 4)  # committed, not yet queued
         self.queued = 0                 # bytes of write-behind jobs in flight (pinned in the pool)
         self.retried = 0                # blocks whose write failed (store unreachable) back in the backlog
-        # Warm restart: adopted blocks waiting to be written if the store lacks them (an EXISTS
-        # first). Taken out at their turn; at most the adopted blocks, and emptied with the backlog.
-        self.recheck: set = set()       # (ns key, hash)
+        # Warm restart: adopted blocks waiting for their batch, then (pulled into the backlog) to
+        # be written if the store lacks them: an EXISTS first. Taken out at their turn.
+        self.adopted_blocks = Adopted()
+        self.recheck: set = set()       # (ns key, hash) pulled, not yet taken: at most a batch or so
         self.warm = Counter()           # requeued, present (held by the store already: not sent)
 
     @property
@@ -90,6 +92,7 @@ class RemoteBridge:
                 "backlog_limit_bytes": b.limit_bytes, "retried": self.retried,
                 "loads_waiting": sum(self.loads_waiting.values()),  # a count, like the disk tier's
                 "warm_requeued": self.warm["requeued"], "warm_present": self.warm["present"],
+                "warm_waiting": self.adopted_blocks.left,
                 "not_written": b.not_written(tenant)}
 
     def _name(self, ns) -> str | None:
@@ -123,29 +126,33 @@ class RemoteBridge:
     def adopted(self, entries: list) -> None:
         """Warm restart (daemon/warm.py): the kept blocks, oldest first. Which of them the
         last daemon had written is not recorded (a SIGKILL leaves some in its backlog), so
-        each joins the backlog again and is written if the store lacks it: its write job
-        asks EXISTS first (``if_missing``), and one the store holds is counted ``present``,
-        never sent twice. Tenants not named across nodes were never to be written."""
-        by_ns: dict = {}
-        for e in entries:
-            by_ns.setdefault(e.ns, []).append(e.key)
-        for ns, keys in by_ns.items():
+        each joins the backlog again, a batch when it runs low, and is written if the store
+        lacks it: its write job asks EXISTS first (``if_missing``), and one the store holds is
+        counted ``present``, never sent twice. Tenants not named across nodes never were to be."""
+        waiting = self.adopted_blocks
+        waiting.add(entries)
+        for ns, n in waiting.counts():
             if self._name(ns) is None:
-                continue
-            tenant = owner_of(ns.key)
-            if ns.block_bytes > self.tier.settings.queue_bytes:
-                self.backlog.lost(tenant, "too_large", len(keys))
-                continue
-            self.recheck.update((ns.key, k) for k in keys)
-            self.warm["requeued"] += len(keys)
-            self.backlog.add(tenant, ns, keys)
+                waiting.forget({ns.key})
+            elif ns.block_bytes > self.tier.settings.queue_bytes:
+                self.backlog.lost(owner_of(ns.key), "too_large", n)
+                waiting.forget({ns.key})
+        self.warm["requeued"] += waiting.left
         self._feed()
+
+    def _pull_adopted(self) -> None:
+        """The next ``ADOPT_BATCH`` adopted blocks join their tenants' backlogs, to be checked."""
+        for ns, keys in self.adopted_blocks.pull(ADOPT_BATCH):
+            self.recheck.update((ns.key, k) for k in keys)
+            self.backlog.add(owner_of(ns.key), ns, keys)
 
     def _feed(self) -> None:
         """Move backlog turns into the write-behind queue while it has room and the store is
         up. A block is pinned from here until written; one gone from RAM is counted."""
         room = self.tier.settings.queue_bytes
         while self.tier.available():
+            if self.adopted_blocks.left and self.backlog.blocks < ADOPT_BATCH:
+                self._pull_adopted()
             turn = self.backlog.take(room - self.queued)
             if turn is None:
                 return

@@ -36,7 +36,7 @@ def store_chains(c, kv, tags) -> dict:
 def drained(d) -> dict:
     def done():
         s = d.stats()["disk"]
-        return s["backlog_blocks"] == 0 and s["queued_bytes"] == 0
+        return s["backlog_blocks"] == 0 and s["queued_bytes"] == 0 and s["warm_waiting"] == 0
     assert wait_for(done, 60)
     return d.stats()["disk"]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.disk.schedule import BATCH, IOQueues, WriteBacklog
+from kvtier.disk.schedule import BATCH, Adopted, IOQueues, WriteBacklog
 from kvtier.pool.keys import SEP
 
 BLOCK = 1000
@@ -19,6 +19,12 @@ BLOCK = 1000
 class Ns:
     key: str
     block_bytes: int = BLOCK
+
+
+@dataclass
+class E:  # an adopted index entry: its bucket and hash
+    ns: Ns
+    key: bytes
 
 
 def keys(tag: int, n: int) -> list[bytes]:
@@ -127,3 +133,20 @@ def test_the_urgent_writer_starts_at_half_the_backlog_bound_and_stops_below_a_qu
     assert b.urgent(False) and b.urgent(True)
     b.take(100 * 3)
     assert b.urgent(True) is False  # 2 of 8 left: a quarter
+
+
+def test_adopted_blocks_are_pulled_oldest_namespace_first_in_batches_and_a_flush_forgets_them():
+    """A warm restart's kept blocks wait per namespace, in commit order, and leave in batches
+    of at most n; a flushed namespace's blocks leave uncounted; nothing is pulled twice."""
+    a, b = Ns(f"t{SEP}a"), Ns(f"t{SEP}b")
+    waiting = Adopted()
+    assert waiting.add([E(ns=a, key=b"a%d" % i) for i in range(5)] + [E(ns=b, key=b"b%d" % i) for i in range(3)]) == 8
+    assert waiting.pull(0) == [] and waiting.left == 8
+    assert waiting.pull(4) == [(a, [b"a0", b"a1", b"a2", b"a3"])]
+    assert waiting.pull(4) == [(a, [b"a4"]), (b, [b"b0", b"b1", b"b2"])]
+    assert waiting.left == 0 and waiting.pull(4) == []
+    waiting.add([E(ns=a, key=b"x"), E(ns=b, key=b"y")])
+    waiting.forget({b.key})
+    assert waiting.counts() == [(a, 1)] and waiting.left == 1
+    waiting.forget(None)
+    assert waiting.left == 0 and waiting.counts() == []

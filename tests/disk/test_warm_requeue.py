@@ -1,6 +1,6 @@
 """A warm restart hands its adopted blocks to the disk tier, in process (no sockets, a real
 directory and real I/O threads): the blocks the start-up scan finds on disk are left as they
-are, the rest are written after the scan, ``ADOPT_BATCH`` a loop turn, byte-exact, and one
+are, the rest are written after the scan, ``ADOPT_BATCH`` at a time, byte-exact, and one
 that left RAM before the scan ended is counted ``evicted``: on disk + written + not written
 == adopted. A flush before the scan ends takes its blocks out uncounted, by policy."""
 
@@ -42,7 +42,7 @@ def turns(bridge, until) -> int:
 
 def idle(bridge) -> bool:
     s = bridge.stats()
-    return not s["scanning"] and not bridge.adopted_wait and not s["backlog_blocks"] and not s["queued_bytes"]
+    return not (s["scanning"] or s["warm_waiting"] or s["backlog_blocks"] or s["queued_bytes"])
 
 
 def first_daemon_writes(root, pool, keys) -> None:
@@ -85,7 +85,7 @@ def test_adopted_blocks_the_disk_lacks_are_written_after_the_scan_in_slices(tmp_
     bridge.adopted(entries)
     index.discard(entries[-1])  # evicted before the scan ended: never written, counted
     turns(bridge, lambda: not bridge.scanning)
-    assert bridge.adopted_wait  # 40 blocks, 8 a turn: more than the turn that ended the scan
+    assert bridge.stats()["warm_waiting"] == 32  # 40 blocks, 8 a batch: one pulled as the scan ended
     turns(bridge, lambda: idle(bridge))
 
     s = bridge.stats()

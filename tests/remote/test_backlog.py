@@ -50,7 +50,7 @@ def open_breaker(d, cl) -> None:
 
 def wait_backlog_empty(d, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
-    while (r := remote_stats(d))["backlog_blocks"] or r["queued_bytes"]:
+    while (r := remote_stats(d))["backlog_blocks"] or r["queued_bytes"] or r["warm_waiting"]:
         assert time.monotonic() < deadline, f"the backlog never drained: {r}"
         time.sleep(0.05)
     return r
