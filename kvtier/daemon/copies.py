@@ -2,9 +2,11 @@
 
 A copy runs on the loop thread when it is small (cheaper than the hand-off),
 else on the copy worker's threads; a fenced CUDA copy first waits at the
-``FenceGate`` (its own thread) until the worker's event fired. It moves ``chunk_bytes`` of engine blocks
-at a time and checks the op's cancel flag before each chunk, so a cancelled
-op stops touching engine memory within one chunk (milliseconds).
+``FenceGate`` (its own thread) until the worker's event fired. It moves ``copy_chunk_bytes`` of engine blocks
+at a time, one chunk per worker turn (other clients' chunks run in between:
+a big load does not hold a small one behind it), and checks the op's cancel
+flag before each chunk, so a cancelled op stops touching engine memory within
+one chunk (milliseconds).
 
 The finality rule (README, "Transfers end once"): an op is answered exactly
 once, by ``_complete``, after its copy has returned - never while the copy
@@ -31,7 +33,7 @@ import logging
 import time
 import zlib
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -128,20 +130,25 @@ class CopyRunner:
             fired = while_alive(lambda: engine.fence_fired(fence), op.client.process_alive, op.cancel)
             self._fences().hold(op, op.client.id, fired, op.cancelled, gpu_copy)
             return
-        copy = self._cpu_copy(op, config, check)
+        steps = self._cpu_copy(op, config, check)
         if op.nbytes <= config.inline_copy_bytes and not config.copy_delay_s:
             # Small copy: doing it here (tens of microseconds) beats the hand-off
             # to the copy thread and back through its pipe (~0.2 ms per call).
             error = None
             try:
-                copy()
+                for _ in steps:
+                    pass
             except Exception as exc:  # reported as failed blocks, like a worker copy
                 error = exc
             self._complete(op, error)
             return
-        self.worker.submit(op, copy, op.client.id)
+        # One chunk per turn: the worker interleaves them with other clients' copies.
+        self.worker.submit_steps(op, steps, op.client.id)
 
-    def _cpu_copy(self, op: CopyOp, config: DaemonConfig, check: list) -> Callable[[], None]:
+    def _cpu_copy(self, op: CopyOp, config: DaemonConfig, check: list) -> Iterator[None]:
+        """The op's copy as steps of ``copy_chunk_bytes``: each step one chunk (the
+        last also the stores' crcs), so the worker can run other clients' chunks
+        in between and a cancel stops it within one chunk."""
         layout, pool, delay = op.reg.layout, self.pool, config.copy_delay_s
         per_chunk = max(1, config.copy_chunk_bytes // layout.engine_block_bytes)
         chunks = [op.pairs[i:i + per_chunk] for i in range(0, len(op.pairs), per_chunk)]
@@ -153,7 +160,9 @@ class CopyRunner:
             if (slots or check) and not op.to_pool:  # verify before the bytes reach the engine
                 op.bad = sorted({i for i, off in slots if _crc(buf, off, size) != crcs.get(off)} |
                                 {i for i, off, crc in check if _crc(buf, off, size) != crc})
-            for chunk in chunks:
+            for n, chunk in enumerate(chunks):
+                if n:
+                    yield  # a turn ends: other clients' chunks may run before the next
                 if delay:  # fault injection: a slow copy, still cancellable
                     op.cancelled.wait(delay)
                 if op.cancelled.is_set():
@@ -161,7 +170,7 @@ class CopyRunner:
                 layout.copy(pool, chunk, op.to_pool)
             if slots and op.to_pool:
                 op.crcs = [(off, _crc(buf, off, size)) for _, off in slots]
-        return copy
+        return copy()
 
     # ---- cancel ----------------------------------------------------------------------
     def cancel_all(self, why: str) -> int:
