@@ -17,6 +17,12 @@ daemon hold or evict on its behalf. The accounting, all of it:
     but not kept.
   * disk bytes (the disk tier, ``disk.shares``): at most ``share`` of
     ``disk_size``, its own oldest files dropped first.
+  * work in flight, whatever ``share``: a user's copies and its loads waiting
+    for disk reads or remote fetches count toward ``max_transfers_per_user``
+    (``daemon.requests._admit``); a tenant holds at most
+    ``max_probes_per_tenant`` of the remote tier's lookup probes, and the
+    remote probe and fetch threads and both write backlogs serve tenants in
+    turn (``remote.turns``, ``disk.schedule``).
 
 A store or an offload that would pass its slabs first evicts that tenant's
 own oldest blocks (of the class it needs, or whole slabs of its other

@@ -199,7 +199,8 @@ class RemoteBridge:
         if hits >= len(keys):
             return False
         name = self._name(ns)
-        return name is not None and self.tier.probe(name, keys[hits:], ("lookup", identity, req_id, hits))
+        return name is not None and self.tier.probe(name, keys[hits:], ("lookup", identity, req_id, hits),
+                                                    owner_of(ns.key))
 
     def load(self, ns, pending) -> bool:
         """Fetch the blocks of ``pending`` the pool lacks; True when it waits for them. A
@@ -220,7 +221,7 @@ class RemoteBridge:
         got = [e for e in plan.entries if e is not None]
         token = ("load", pending, plan, present)
         job = self.tier.fetch(name, [e.key for e in got], [e.offset for e in got], ns.block_bytes,
-                              token) if got else None
+                              token, owner_of(ns.key)) if got else None
         if job is not None:
             self.fetching[(pending.identity, pending.req_id)] = job
             self.loads_waiting[pending.uid] += 1

@@ -47,6 +47,7 @@ class Job:
     present: list = field(default_factory=list)  # write, if_missing: indices the store held already
     crcs: list = field(default_factory=list)     # fetch: (offset, crc32) of verified payloads
     error: str = ""              # why the store could not be asked ("" = it answered)
+    tenant: str = ""             # probe, fetch: whose turn it takes (turns.py)
 
 
 class Deadlines:

@@ -27,6 +27,7 @@ class RemoteSettings:
     timeout_s: float = 0.5         # per Redis round trip (connect, pipeline read)
     batch_bytes: int = 16 * 2**20  # one pipeline carries at most this many value bytes
     max_probes: int = 64           # lookups waiting on the remote tier; more answer locally
+    max_probes_per_tenant: int = 16  # of those, one tenant's: a flood leaves 48 for the others
 
     @property
     def seeds(self) -> list[tuple[str, int]]:

@@ -23,8 +23,8 @@ put until the job is reported done: blocks being written out are held
 Values are keyed and authenticated with the cluster's secret (values.py):
 a forged, foreign or damaged value is rejected, counted and deleted.
 
-Primitives (loop thread): ``probe(ns, keys, token) -> bool``, ``fetch(ns, keys,
-offsets, size, token) -> Job | None``, ``cancel(job)``, ``write(ns, keys, offsets,
+Primitives (loop thread): ``probe(ns, keys, token, tenant) -> bool``, ``fetch(ns, keys,
+offsets, size, token, tenant) -> Job | None``, ``cancel(job)``, ``write(ns, keys, offsets,
 size, token) -> int`` (how many of ``keys``, from the first, were queued),
 ``completed() -> [Job]`` (also a "healed" job when the breaker closes again),
 ``wakeup_fd``, ``stats()``, ``close()``.
@@ -43,6 +43,7 @@ from .breaker import CLOSED, OPEN, Breaker
 from .jobs import Deadlines, Job, more_writes
 from .settings import RemoteSettings
 from .store import RedisStore, Unreachable
+from .turns import Slots, TurnQueue
 from ..waker import Inbox
 
 log = logging.getLogger("kvtier.remote")
@@ -62,13 +63,13 @@ class RemoteTier:
         self.counters: Counter = Counter()
         self.last_error = ""
         self.queued_bytes = 0               # write-behind bytes queued or being written (held by the caller)
-        self.probes_waiting = 0
+        self.probe_slots = Slots(settings.max_probes, settings.max_probes_per_tenant)  # turns.py; locked
         self.window: deque = deque()        # (time, bytes) written in the last ttl_s, for the budget
         self.window_bytes = 0
         self.codec = v.ValueCodec(settings.secret)
         self._names: dict[str, v.NamespaceDigest] = {}
         self._done = Inbox()  # finished jobs; wakes the daemon's loop
-        self._queues = {k: queue.Queue() for k in ("probe", "fetch", "write")}
+        self._queues = {"probe": TurnQueue(), "fetch": TurnQueue(), "write": queue.Queue()}
         self._closing = threading.Event()
         self._threads = [threading.Thread(target=self._serve, args=(k,), name=f"kvtier-remote-{k}", daemon=True)
                          for k in self._queues]
@@ -85,27 +86,28 @@ class RemoteTier:
         with self.lock:
             return self.breaker.state == CLOSED
 
-    def probe(self, fingerprint: str, keys: list[bytes], token) -> bool:
-        """Ask how many of ``keys`` (a chain's continuation) the store holds in a row.
-        False: not asked (store unavailable or too many lookups waiting)."""
+    def probe(self, fingerprint: str, keys: list[bytes], token, tenant: str = "") -> bool:
+        """Ask how many of ``keys`` (a chain's continuation) the store holds in a row. False: not asked
+        (store unavailable, or too many lookups waiting: in all, or ``tenant``'s: ``probe_over_share``)."""
         with self.lock:
-            if self.breaker.state != CLOSED or self.probes_waiting >= self.settings.max_probes:
-                self.counters["probe_skipped"] += 1
+            why = "closed" if self.breaker.state != CLOSED else self.probe_slots.take(tenant)
+            if why:
+                self.counters.update(probe_skipped=1, probe_over_share=why == "tenant")
                 return False
-            self.probes_waiting += 1
-        job = Job("probe", token, self._ns(fingerprint), list(keys),
+        job = Job("probe", token, self._ns(fingerprint), list(keys), tenant=tenant,
                   deadline=time.monotonic() + self.settings.timeout_s)
         self._queues["probe"].put(job)
         self._deadlines.add(job)
         return True
 
-    def fetch(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token) -> Job | None:
-        """Copy blocks ``keys`` into the pool at ``offsets`` (``size`` bytes each), verified.
-        None: not started (store unavailable); the caller reports those blocks failed."""
+    def fetch(self, fingerprint: str, keys: list[bytes], offsets: list[int], size: int, token,
+              tenant: str = "") -> Job | None:
+        """Copy blocks ``keys`` into the pool at ``offsets`` (``size`` bytes each), verified, in
+        ``tenant``'s turn. None: not started (store unavailable); those blocks failed."""
         if not self.available():
             self.counters["fetch_skipped"] += len(keys)
             return None
-        job = Job("fetch", token, self._ns(fingerprint), list(keys), list(offsets), size)
+        job = Job("fetch", token, self._ns(fingerprint), list(keys), list(offsets), size, tenant=tenant)
         self._queues["fetch"].put(job)
         return job
 
@@ -149,14 +151,14 @@ class RemoteTier:
         with self.lock:
             c = dict(self.counters)
             state, opened = self.breaker.state, self.breaker.opened
-            queued, window = self.queued_bytes, self.window_bytes
-        keys = ("probes", "probe_blocks", "remote_hits", "probe_skipped", "probe_late", "fetches", "fetched",
-                "fetched_bytes", "fetch_failed", "fetch_skipped", "fetch_cancelled", "missing", "corrupt", "forged",
-                "written", "written_bytes", "write_failed", "write_skipped", "queue_full", "budget_skipped",
-                "rejected", "errors")
+            queued, window, probes = self.queued_bytes, self.window_bytes, self.probe_slots.held
+        keys = ("probes", "probe_blocks", "remote_hits", "probe_skipped", "probe_over_share", "probe_late",
+                "fetches", "fetched", "fetched_bytes", "fetch_failed", "fetch_skipped", "fetch_cancelled", "missing",
+                "corrupt", "forged", "written", "written_bytes", "write_failed", "write_skipped", "queue_full",
+                "budget_skipped", "rejected", "errors")
         return {"enabled": True, "endpoint": s.display, "state": state, "opened": opened,
                 "last_error": self.last_error, "queued_bytes": queued, "queue_bytes": s.queue_bytes,
-                "window_bytes": window, "budget_bytes": s.budget, "ttl_s": s.ttl_s,
+                "window_bytes": window, "budget_bytes": s.budget, "ttl_s": s.ttl_s, "probes_waiting": probes,
                 **{k: c.get(k, 0) for k in keys}}
 
     def close(self) -> None:
@@ -203,7 +205,7 @@ class RemoteTier:
                 finally:
                     if kind == "probe":
                         with self.lock:
-                            self.probes_waiting -= 1
+                            self.probe_slots.give(job.tenant)
                     for j in jobs:
                         if j is not None:
                             self._report(j)

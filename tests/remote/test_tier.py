@@ -207,9 +207,9 @@ def test_a_probe_to_a_hung_store_is_answered_at_its_deadline_and_so_are_those_be
                 p.send_signal(signal.SIGCONT)
         # The hung calls finish (or fail) on the probe thread; none is reported again.
         wait_until_idle = time.monotonic() + 30
-        while t.probes_waiting and time.monotonic() < wait_until_idle:
+        while t.probe_slots.held and time.monotonic() < wait_until_idle:
             time.sleep(0.05)
-        assert t.probes_waiting == 0 and t.completed() == []
+        assert t.probe_slots.held == 0 and t.completed() == []
     finally:
         t.close()
 
