@@ -7,11 +7,28 @@ so the next trial reconnects from the seeds and rediscovers the topology
 (a cluster restarted on other ports or with other slots is picked up).
 A command the server refuses (out of memory under ``maxmemory`` with
 ``noeviction``) is a per-value result, not a connectivity failure.
+
+Error texts leave here through ``describe``: they become the tier's
+``last_error``, which every client's stats show, and a key names a tenant's
+namespace digest and block hash (redis-py puts the command into some
+errors), so anything key-like is cut from them.
 """
 
 from __future__ import annotations
 
+import re
+
 from .settings import RemoteSettings
+
+# A key (kvt1:/kvt2: and hex) or any long hex run (a namespace digest, a block hash).
+_KEYISH = re.compile(r"kvt\d+:[0-9a-fA-F:]*|[0-9a-fA-F]{16,}")
+# redis-py's annotation of a pipeline error quotes the command: its key and value bytes.
+_COMMAND = re.compile(r"\(.*\)(?= of pipeline caused error)", re.DOTALL)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of a store error, without the command it quotes or anything key-like."""
+    return _KEYISH.sub("<key>", _COMMAND.sub("(<command>)", f"{type(exc).__name__}: {exc}"))
 
 
 class Unreachable(Exception):
@@ -71,7 +88,7 @@ class RedisStore:
                 self.is_cluster = False
         except Exception as exc:
             self.close()
-            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+            raise Unreachable(describe(exc)) from None
         return self.client
 
     def close(self) -> None:
@@ -95,12 +112,12 @@ class RedisStore:
         except (r.exceptions.ConnectionError, r.exceptions.TimeoutError, r.exceptions.RedisClusterException,
                 r.exceptions.ClusterDownError, OSError) as exc:
             self.close()
-            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+            raise Unreachable(describe(exc)) from None
         for res in results:  # some clients report a dead node per command instead of raising
             if isinstance(res, (r.exceptions.ConnectionError, r.exceptions.TimeoutError,
                                 r.exceptions.ClusterDownError)):
                 self.close()
-                raise Unreachable(f"{type(res).__name__}: {res}")
+                raise Unreachable(describe(res))
         return results
 
     def ping(self) -> None:
@@ -118,7 +135,7 @@ class RedisStore:
             raise
         except Exception as exc:
             self.close()
-            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
+            raise Unreachable(describe(exc)) from None
 
     def exists(self, keys: list[bytes]) -> list[bool]:
         results = self._run(lambda pipe: [pipe.exists(k) for k in keys])
@@ -135,4 +152,4 @@ class RedisStore:
         """SET each (key, value) with a TTL; per item None or why the server refused it."""
         ms = max(1, int(ttl_s * 1000))
         results = self._run(lambda pipe: [pipe.set(k, v, px=ms) for k, v in items])
-        return [None if res is True else f"{type(res).__name__}: {res}" for res in results]
+        return [None if res is True else describe(res) for res in results]

@@ -11,6 +11,7 @@ part and prints one JSON line:
           tier (a probe), each load waits for a fetch.
   victim  ARG = the first token of its 12-block prompt: one lookup, then a load
           of the hits; reports the hits, the blocks loaded and their digest.
+  stats   reports the ``remote`` section of its stats.
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def main() -> None:
         c.register_kv_cache(kv, [0] * len(kv.tensors), NS)
         say(step="ready")
         sys.stdin.readline()
-        flood(c, arg) if role == "flood" else victim(c, kv, arg)
+        if role == "flood":
+            flood(c, arg)
+        elif role == "victim":
+            victim(c, kv, arg)
+        else:  # "stats": what this tenant's stats show of the remote tier
+            say(step="stats", remote=c.stats()["remote"])
 
 
 if __name__ == "__main__":

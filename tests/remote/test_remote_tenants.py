@@ -5,7 +5,8 @@ with SIGSTOP (alive, silent) while the flood is queued:
 - loads waiting for a fetch count toward their user's ``max_transfers_per_user``;
 - one tenant holds at most ``max_probes_per_tenant`` of the probe slots, and the
   probe and fetch threads serve tenants in turn, so another tenant's lookup still
-  asks the store and its fetch runs next, not behind the flood.
+  asks the store and its fetch runs next, not behind the flood;
+- the store's last error, which every client's stats show, names no key.
 
 No timing assertions: the figures in RELIABILITY.md are what these tests print with ``-s``.
 """
@@ -26,13 +27,15 @@ import pytest
 from kvtier.client import block_hashes
 from kvtier.pool.keys import ns_key
 from kvtier.remote.settings import RemoteSettings
+from kvtier.remote.store import describe
 from kvtier.remote.tier import RemoteTier
 from tests.conftest import REPO
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
+from tests.remote.cluster import LocalCluster
 from tests.remote.conftest import SECRET, running_cluster
 from tests.remote.test_tier import SIZE, chain, filled_pool, wait_jobs
-from tests.remote.test_two_nodes import (TOKENS, engine_blocks, node, remote_stats, store_prefix,  # noqa: F401
+from tests.remote.test_two_nodes import (CODEC, TOKENS, engine_blocks, node, remote_stats, store_prefix,  # noqa: F401
                                          wait_remote, _secret_file)
 
 UID = os.geteuid()
@@ -210,3 +213,49 @@ def test_a_tenant_flooding_lookups_and_loads_leaves_another_tenants_remote_hits_
         assert flooded["lookups"] == FLOOD and flooded["loads"] == FLOOD
     finally:
         shutil.rmtree(run, ignore_errors=True)
+
+
+@needs_root
+def test_the_store_error_every_client_sees_names_no_tenants_keys(daemon_factory):
+    """Masters of 1 MiB that refuse writes (``noeviction``): tenant alpha's blocks are
+    refused (``rejected``), so the tier's ``last_error``, shown in every client's stats, is
+    about alpha's writes. Tenant beta (another uid) reads it: the reason (OOM), never a key,
+    alpha's namespace digest or a block hash (checked before and after: redis-py does not
+    quote the command for these; ``store.describe`` cuts it where it would)."""
+    cl = LocalCluster(maxmemory="1mb")
+    run = tempfile.mkdtemp(prefix="kvt-remote-errors-")
+    os.chmod(run, 0o755)
+    try:
+        b = node(daemon_factory, cl.url, tenants=f"alpha:{UID}; beta:{FLOODER}",
+                 socket=os.path.join(run, "kvtier.sock"), env={"KVTIER_SOCKET_MODE": "666"})
+        hashes = []
+        for k in range(10):  # 1.9 MiB of values for 3 MiB of masters that hold ~1 MiB of their own
+            prompt = [t + 2_600_000 + 10_000 * k for t in TOKENS]
+            store_prefix(b, prompt, seed=60 + k)
+            hashes += block_hashes(prompt, 16)
+        assert wait_for(lambda: remote_stats(b)["rejected"] > 0, 30)
+        seen = json.loads(json.dumps(remote_stats(b)))
+        beta = start_worker("stats", b.socket, FLOODER, 0)
+        go(beta)
+        shown = answer(beta)["remote"]
+    finally:
+        cl.close()
+        shutil.rmtree(run, ignore_errors=True)
+    digest = CODEC.namespace(ns_key("alpha", NS.fingerprint())).short.decode()
+    print(f"\nlast_error shown to another tenant: {shown['last_error']!r} ({seen['rejected']} writes refused)")
+    assert "OutOfMemoryError" in shown["last_error"] and shown["last_error"] == seen["last_error"]
+    text = json.dumps(shown)
+    assert "kvt" not in text and digest not in text and not any(h.hex()[:16] in text for h in hashes)
+
+
+def test_a_store_error_quoting_its_command_loses_the_key_and_the_value():
+    """redis-py annotates a raised pipeline error with the command (key and value bytes):
+    what reaches ``last_error`` keeps the reason only."""
+    import redis
+    key = CODEC.key(CODEC.namespace(ns_key("alpha", NS.fingerprint())), bytes(range(16))).decode()
+    exc = redis.exceptions.ResponseError(f"Command # 3 (SET {key} b'\\x07secret) bytes' PX 1000) of pipeline "
+                                         "caused error: OOM command not allowed when used memory > 'maxmemory'.")
+    said = describe(exc)
+    assert said == ("ResponseError: Command # 3 (<command>) of pipeline caused error: OOM command not allowed "
+                    "when used memory > 'maxmemory'.")
+    assert describe(redis.exceptions.ResponseError(f"WRONGTYPE {key}")) == "ResponseError: WRONGTYPE <key>"
