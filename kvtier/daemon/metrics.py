@@ -63,6 +63,8 @@ REMOTE_COUNTERS = (  # stats key under "remote", metric name, help
     ("forged", "remote_forged",
      "Remote values rejected as not this cluster's: bad MAC, or another block's or namespace's value."),
     ("probe_late", "remote_probes_late", "Lookups answered locally because the store did not answer in time."),
+    ("probe_over_share", "remote_probes_over_share",
+     "Lookups answered locally because their tenant held its share of probe slots (max_probes_per_tenant)."),
     ("fetch_cancelled", "remote_fetch_cancelled", "Blocks not fetched because their load was cancelled."),
     ("written", "remote_blocks_written", "Blocks written behind to the remote tier."),
     ("written_bytes", "remote_written_bytes", "Bytes written behind to the remote tier."),

@@ -210,6 +210,9 @@ def test_a_tenant_flooding_lookups_and_loads_leaves_another_tenants_remote_hits_
               f"{done['loaded']} loaded; beta's answers: {flooded}")
         assert done["hits"] == 12 and done["loaded"] == 12 and done["digest"] == expected
         assert held == 17 and s["probe_over_share"] == FLOOD - 16
+        from kvtier.daemon.metrics import SnapshotCollector
+        over = {f.name: f.samples[0].value for f in SnapshotCollector(lambda: b.stats()).collect() if f.samples}
+        assert over["kvtier_remote_probes_over_share"] == FLOOD - 16  # for the operator's scraper too
         assert flooded["lookups"] == FLOOD and flooded["loads"] == FLOOD
     finally:
         shutil.rmtree(run, ignore_errors=True)
