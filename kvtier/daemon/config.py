@@ -31,6 +31,14 @@ GPU_MODES = ("auto", "on", "off")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
 
 
+def default_copy_threads() -> int:
+    """One copy thread per core this process may run on, at most 4: concurrent
+    loads then copy side by side instead of queueing behind one thread (a lone
+    load runs on one thread either way; BENCHMARKS.md 19.2). More than 4 was
+    not measured; set ``copy_threads`` to try."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     socket: str = field(default_factory=default_socket)
@@ -46,7 +54,7 @@ class DaemonConfig:
     reap_interval_s: float = 0.5
     socket_mode: int = 0o660
     shm_mode: int = 0o600
-    copy_threads: int = 1
+    copy_threads: int = field(default_factory=default_copy_threads)  # min(4, cores)
     inline_copy_bytes: int = 512 * 2**10  # copies up to this size run on the loop thread
     copy_chunk_bytes: int = 16 * 2**20    # a cancelled copy stops within one chunk
     drain_timeout_s: float = 30.0   # SIGTERM: copies still running after this are cancelled
