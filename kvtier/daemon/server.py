@@ -139,10 +139,9 @@ class Daemon:
         self.guard = ConnectionGuard(self.listener.router, self._lock_fd is not None and config.socket or "",
                                      getter, self.sessions.hung_up)
         if self.warm is not None:  # the kept blocks become READY before the first request
-            adopted = self.warm.adopt(self.index, crcs)
+            # and the tiers get them: what a SIGKILL left unwritten below is written now, or counted
+            self.warm.adopt(self.index, crcs, tiers)
             self.warm.journal.cap_tenants(config.tenant_share)  # its records, like its slabs
-            for t in tiers:  # what a SIGKILL left unwritten below is written now, or counted
-                t.adopted(adopted)
         self.flushes = Flushes(self.index, send, self.counters)
         replies = Replies(send, self.errors)
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats, self.flushes,

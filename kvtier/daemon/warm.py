@@ -32,7 +32,7 @@ taken for them on the store path), and blocks beyond the journal's record
 count (``journal.full``).
 
 Primitives: ``warm_names(config)``, ``WarmPool(config).open() -> ShmSegment``,
-``.adopt(index, crcs) -> [entry]``, ``.committed(plan, crcs)``, ``.removed(entry)``,
+``.adopt(index, crcs, tiers) -> [entry]``, ``.committed(plan, crcs)``, ``.removed(entry)``,
 ``.to_verify(op)``, ``.verified(offsets)``, ``.stats()``, ``.close()``;
 ``discard_kept(config)`` (warm_restart off: the kept pair goes).
 """
@@ -78,6 +78,7 @@ class WarmPool:
         self.adopted = self.rejected = self.verify_failed = 0
         self.adopted_at: float | None = None
         self.adopt_s = 0.0
+        self.handover_s = 0.0  # handing the adopted blocks to the lower tiers (after adopt_s)
         self.unverified: dict[int, int] = {}  # adopted offset -> crc32 at commit, until its first load
 
     # ---- start ---------------------------------------------------------------------------
@@ -140,9 +141,10 @@ class WarmPool:
         self.journal = journal
         return ""
 
-    def adopt(self, index, crcs: dict | None = None) -> list:
-        """Make the journal's valid records READY blocks of ``index`` (fresh, empty); the
-        adopted entries, oldest commit first (the lower tiers re-queue those they lack)."""
+    def adopt(self, index, crcs: dict | None = None, tiers=()) -> list:
+        """Make the journal's valid records READY blocks of ``index`` (fresh, empty) and hand
+        them to the lower ``tiers`` (``adopted(entries)``: each writes those it lacks, since a
+        SIGKILL may have left them unwritten); the adopted entries, oldest commit first."""
         if self.start != "warm":
             return []
         t0 = time.monotonic()
@@ -174,8 +176,12 @@ class WarmPool:
             crcs.update(self.unverified)
         self.adopted, self.rejected = len(taken), rejected
         self.adopted_at = time.time()
-        self.adopt_s += time.monotonic() - t0
+        self.adopt_s += time.monotonic() - t0  # the hand-over below comes on top
         index.check_integrity()
+        t1 = time.monotonic()
+        for t in tiers:
+            t.adopted(ordered)
+        self.handover_s = time.monotonic() - t1
         log.info("warm restart: adopted %d blocks (%s) kept since %s in %.3fs; refused %d records",
                  len(taken), format_size(sum(k.block_bytes for k in taken)),
                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.journal.created)), self.adopt_s,
@@ -216,6 +222,7 @@ class WarmPool:
         return {"enabled": True, "start": self.start, "reason": self.reason,
                 "adopted_blocks": self.adopted, "rejected_records": self.rejected,
                 "adopted_at": self.adopted_at, "adopt_s": round(self.adopt_s, 4),
+                "handover_s": round(self.handover_s, 4),
                 "kept_since": j.created if j else None, "kept_blocks": j.kept if j else 0,
                 "not_kept": j.full if j else 0, "unverified_blocks": len(self.unverified),
                 "verify_failed": self.verify_failed}
