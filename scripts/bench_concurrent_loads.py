@@ -179,6 +179,7 @@ def spread(args, sockets, conns, want, loads) -> None:
     times = {(t, n): [] for t in args.threads for n in args.n}  # client round trips
     inside = {(t, n): [] for t in args.threads for n in args.n}  # daemon mean per batch
     pings = []
+    p50 = {(t, n): [] for t in args.threads for n in args.n}  # per batch: its loads' median round trip
     order = list(range(len(sockets)))
     for d in order:  # warm-up, untimed: each registration's first copy builds its row views
         for c in conns:
@@ -198,6 +199,7 @@ def spread(args, sockets, conns, want, loads) -> None:
                 times[(t, n)] += [g[0] for g in got]
                 pings += [g[1] for g in got]
                 inside[(t, n)].append((after[1] - before[1]) / max(1, after[0] - before[0]))
+                p50[(t, n)].append(statistics.median(g[0] for g in got))
     loads.append(os.getloadavg()[0])
     rows = []
     for t in args.threads:
@@ -205,11 +207,16 @@ def spread(args, sockets, conns, want, loads) -> None:
         base = statistics.median(times[(args.threads[0], 1)])
         for n in args.n:
             xs, ins = times[(t, n)], statistics.median(inside[(t, n)])
+            # The same ratios within each round (this batch vs the lone load just before it), median over rounds:
+            # what load from other processes does to one round cancels out of its ratio.
+            rt = statistics.median(a / b for a, b in zip(p50[(t, n)], p50[(t, 1)]))
+            rd = statistics.median(a / b for a, b in zip(inside[(t, n)], inside[(t, 1)]))
             rows.append([t, n, statistics.median(xs) * 1e3, max(xs) * 1e3, ins * 1e3,
                          f"{statistics.median(xs) / lone:.2f}x", f"{max(xs) / lone:.2f}x", f"{ins / lone_in:.2f}x",
-                         f"{lone / base:.2f}x" if n == 1 else ""])
+                         f"{rt:.2f}x", f"{rd:.2f}x", f"{lone / base:.2f}x" if n == 1 else ""])
     print(table(["copy_threads", "N at once", "p50 ms", "max ms", "daemon mean ms", "p50 / lone", "max / lone",
-                 "daemon / lone", f"lone / lone at {args.threads[0]} thread(s)"], rows,
+                 "daemon / lone", "per-round p50 / lone", "per-round daemon / lone",
+                 f"lone / lone at {args.threads[0]} thread(s)"], rows,
                 "each load's round trip, N loads of the same prefix at a barrier"))
     print(f"ping round trip p50 {statistics.median(pings) * 1e3:.3f} ms")
 
