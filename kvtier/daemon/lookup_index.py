@@ -26,7 +26,7 @@ nothing behind. On CPUs without x86 memory ordering there are no mirrors
 (``seqlock_safe``).
 
 Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket, ready_keys)``, ``.stored(bucket, keys)``,
-``.removed(bucket, key)``, ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``,
+``.removed(bucket, key)`` (``with .batch():`` one write per table), ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``,
 ``.open_for(clients, peer, name) -> fd | why`` (a read-only descriptor for a registered process);
 the disk tier's side: ``.attach_lower(tier)`` (``tier.keys_of(ns_key)``, ``tier.on_disk(ns_key, key)``),
 ``.disk_stored(ns_key, keys)``, ``.disk_removed(ns_key, keys)`` (keys RAM still holds stay).
@@ -59,6 +59,7 @@ class LookupIndexes:
         self.lower = None  # the disk tier, once attached
         self.bytes = 0  # /dev/shm bytes of every table
         self.refused = 0  # namespaces that found no room for a table
+        self._batch: dict[str, list[bytes]] | None = None  # removals waiting for batch()'s end
 
     def segment_for(self, bucket: Bucket, ready_keys) -> str:
         """The mirror of ``bucket`` (created at its first registration, filled
@@ -99,6 +100,7 @@ class LookupIndexes:
     def stored(self, bucket: Bucket, keys: list[bytes]) -> None:
         entry = self._writers.get(bucket.key)
         if entry is not None and keys:
+            self._settle(bucket.key)
             entry[0].add(keys)
 
     def cleared(self, bucket: Bucket) -> None:
@@ -108,14 +110,38 @@ class LookupIndexes:
             entry[0].clear()
 
     def removed(self, bucket: Bucket, key: bytes) -> None:
-        """A ready block left RAM: still a hit while its file is on disk."""
+        """A ready block left RAM: still a hit while its file is on disk. Inside
+        ``batch()`` the removal waits for the batch's end."""
         entry = self._writers.get(bucket.key)
         if entry is not None and not (self.lower is not None and self.lower.on_disk(bucket.key, key)):
-            entry[0].remove([key])
+            if self._batch is None:
+                entry[0].remove([key])
+            else:
+                self._batch.setdefault(bucket.key, []).append(key)
+
+    def batch(self) -> "_RemovalBatch":
+        """``with mirrors.batch(): ...`` - removals within it reach each table as one
+        write at its end (an eviction pass drops tens of blocks: one table update per
+        block cost a store more than the lookups it saves). Only removals wait, and
+        only until the block ends, before any reply can go out."""
+        return _RemovalBatch(self)
+
+    def _settle(self, key: str) -> None:
+        """An add inside a batch: the table's waiting removals go first, so a block
+        removed and then stored again within one batch stays in the table."""
+        if self._batch and key in self._batch:
+            self._flush({key: self._batch.pop(key)})
+
+    def _flush(self, pending: dict[str, list[bytes]]) -> None:
+        for key, keys in pending.items():
+            entry = self._writers.get(key)
+            if entry is not None:
+                entry[0].remove(keys)
 
     def disk_stored(self, ns_key: str, keys: list[bytes]) -> None:
         entry = self._writers.get(ns_key)
         if entry is not None and keys:
+            self._settle(ns_key)
             entry[0].add(keys)
 
     def disk_removed(self, ns_key: str, keys: list[bytes]) -> None:
@@ -158,3 +184,21 @@ class LookupIndexes:
             w.close()
         except Exception:  # unlinking is best effort; a new daemon sweeps the rest
             log.exception("closing a lookup index failed")
+
+
+class _RemovalBatch:
+    """``LookupIndexes.batch()``: removals gathered per table, written on exit
+    (nested batches join the outermost one)."""
+
+    def __init__(self, mirrors: LookupIndexes):
+        self.mirrors, self.outer = mirrors, False
+
+    def __enter__(self) -> None:
+        if self.mirrors._batch is None:
+            self.mirrors._batch, self.outer = {}, True
+
+    def __exit__(self, *exc) -> None:
+        if self.outer:
+            pending, self.mirrors._batch = self.mirrors._batch, None
+            self.mirrors._flush(pending)
+

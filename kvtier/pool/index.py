@@ -6,9 +6,8 @@ by the client as a fingerprint string and keyed here by ``tenant SEP fingerprint
 (``keys.ns_key``). The index owns its buckets, entries, policy and allocator:
 outer layers use the verbs below, never its dicts.
 
-Entry life: prepare_store -> WRITING (invisible to lookups, not evictable) ->
-complete_store -> READY (in the eviction policy) or freed on failure. A READY
-entry with pins > 0 is being loaded and is never evicted.
+Entry life: prepare_store -> WRITING (invisible to lookups, not evictable) -> complete_store
+-> READY (in the eviction policy) or freed on failure; pinned (being loaded): never evicted.
 
 Primitives (scheduler-style, no I/O):
   BlockIndex(allocator, policy, share, events=, mirror=, journal=)  its listeners, given once
@@ -16,13 +15,11 @@ Primitives (scheduler-style, no I/O):
   lower_stored(ns_key, keys) / lower_removed(ns_key, keys)  what it holds changed: events, mirror
   namespace(key, block_bytes) -> Bucket    has_namespace(key), namespaces_matching(pred) -> [Bucket]
   lookup(ns, keys) -> int                  longest READY prefix, refreshes LRU
-  prepare_store(ns, keys) -> StorePlan     dedups; pool full is a value
-  complete_store(plan, failed=())
-  prepare_load(ns, keys) -> LoadPlan       pins what is READY
-  complete_load(plan)
+  prepare_store(ns, keys) -> StorePlan, complete_store(plan, failed=())   dedups; pool full is a value
+  prepare_load(ns, keys) -> LoadPlan, complete_load(plan)                 pins what is READY
   pin(entries) / unpin(entries)            hold READY entries (no eviction) for a reader
-  alloc_for(ns, n) -> [offset]             n slots for ns's tenant (its share, when on): swap too
-  alloc(cls) / free(offset)
+  alloc_for(ns, n) -> [offset]             n slots for ns's tenant (its share, when on): swap too;
+                                           alloc(cls) / free(offset)
   adopt(ns, [(key, offset)], enter) -> [Entry | None]  warm restart: READY entries at kept offsets
   enter_in_order(entries)                  adopted entries into the policy, oldest first
   is_ready(e), holds(key, block), ready_entry(ns, key), ready_entries(ns, keys), ready_keys(ns)
@@ -38,6 +35,7 @@ Primitives (scheduler-style, no I/O):
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 from . import integrity, reclaim
@@ -51,6 +49,7 @@ from .keys import owner_of
 from .shares import TenantShares
 
 MAX_NAMESPACES = 4096
+NO_BATCH = nullcontext()  # evict() without a lookup mirror
 STAT_KEYS = ("lookups", "hits", "disk_hits", "misses", "stored", "store_skipped", "store_failed",
              "loaded", "load_failed", "evicted", "mirror_lookups", "mirror_hits")
 
@@ -327,10 +326,12 @@ class BlockIndex:
         return self.evict(victims) > 0
 
     def evict(self, victims: list[Entry]) -> int:
-        """Drop the entries a walk picked (after it: the policy's walk is lazy), counted as evictions."""
-        for v in victims:
-            self._drop(v, removed=True)
-            v.ns.stats["evicted"] += 1
+        """Drop the entries a walk picked (after it: the policy's walk is lazy), counted as
+        evictions; the lookup mirror writes each of its tables once for all of them."""
+        with self.mirror.batch() if self.mirror is not None else NO_BATCH:
+            for v in victims:
+                self._drop(v, removed=True)
+                v.ns.stats["evicted"] += 1
         self.evictions += len(victims)
         return len(victims)
 
