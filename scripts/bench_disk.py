@@ -1,10 +1,9 @@
 #!/usr/bin/env python
-# Feeds BENCHMARKS.md section 13 (--stores: 13.1 and 13.2).
+# Feeds BENCHMARKS.md section 13 (what the tier costs a store, 13.1 and 13.2: bench_disk_stores.py).
 """The disk tier: load GB/s vs a sequential read of the same bytes, the I/O
 method, and what a disk hit costs a lookup.
 
     python scripts/bench_disk.py [--bytes 1GiB] [--reps 3] [--threads 1,2,4] [--dir /var/tmp]
-    python scripts/bench_disk.py --stores 200 --baseline /path/to/other/checkout [--reps 3]
 
 1. Loads. A daemon with ``disk_path`` stores ``--bytes`` of 256 KiB blocks
    and writes them to disk; then, per rep and per ``disk_threads`` value
@@ -25,13 +24,7 @@ method, and what a disk hit costs a lookup.
    call alone in process (``BlockIndex.lookup`` with the disk tier off, on
    with a RAM chain, on with a disk chain).
 
-``--stores N`` instead measures what the disk tier costs a store: one engine
-stores N new chains of 16 blocks (4 MiB) back to back, waiting for each
-reply, into a 64 MiB pool (write-behind queue 16 MiB, so the disk falls
-behind and the pool evicts), per store p50/p99 in ms; daemons of this
-checkout with the disk tier on and off, and of ``--baseline DIR`` (another
-checkout) with it on, alternating per rep. Also what each run wrote and did
-not write.
+What the disk tier costs a store: ``bench_disk_stores.py``.
 
 Output: markdown tables to paste into BENCHMARKS.md, with the load average.
 """
@@ -42,15 +35,13 @@ import argparse
 import mmap
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from benchlib import add_json_flag, emit, machine_notes, no_system_config, size_list, table
+from benchlib import add_json_flag, emit, machine_notes, size_list, start_daemon, stop_daemon, table
+from disk_baselines import DROP, direct_read, drop_cache, files_read, read_files, write_files
 
 from kvtier.client import Client, Namespace, ShmKVCache
 from kvtier.pool.sizes import format_size
@@ -67,35 +58,13 @@ def hashes(n: int, tag: int = 0) -> list[bytes]:
 
 
 def daemon(sock: str, disk: str, disk_size: int, pool: int, threads: int = 2, repo: str | None = None):
-    """``repo``: run another checkout's daemon; ``disk`` "": the disk tier off."""
-    if os.path.exists(sock):
-        os.unlink(sock)
+    """Ready once its start-up scan is done. ``repo``: run another checkout's daemon; ``disk`` "": the tier off."""
     env = {**os.environ, "KVTIER_DISK_PATH": disk, "KVTIER_DISK_SIZE": str(disk_size),
            "KVTIER_DISK_THREADS": str(threads), "KVTIER_DISK_TIMEOUT_S": "60", "KVTIER_RAM_FRACTION": "0.95"}
     if not disk:
         del env["KVTIER_DISK_PATH"], env["KVTIER_DISK_SIZE"]
-    if repo:
-        env["PYTHONPATH"] = repo
-    p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size", str(pool),
-                          "--slab-size", "16MiB", "--log-level", "WARNING", *no_system_config()],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=repo)
-    deadline = time.monotonic() + 300
-    while True:
-        if p.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"daemon failed: {p.communicate()[1][-2000:]}")
-        if os.path.exists(sock):
-            try:
-                with Client(sock, name="probe", timeout=60) as c:
-                    if not c.stats()["disk"].get("scanning"):
-                        return p
-            except Exception:  # bound but not serving yet
-                pass
-        time.sleep(0.01)
-
-
-def stop(p) -> None:
-    p.send_signal(signal.SIGTERM)
-    p.wait(120)
+    return start_daemon(sock, pool, env, 300, ("--slab-size", "16MiB"), cwd=repo, log_level="WARNING",
+                        ready=lambda s: not disk_stats(s).get("scanning"))
 
 
 def disk_stats(sock: str) -> dict:
@@ -105,25 +74,6 @@ def disk_stats(sock: str) -> dict:
 
 def block_files(root: str) -> list[str]:
     return sorted(os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".kvb"))
-
-
-DROP = {"caches": True}  # --cache fadvise: leave the machine's page cache alone (CI, shared machines)
-
-
-def drop_cache(files: list[str]) -> str:
-    os.sync()
-    try:
-        if not DROP["caches"]:
-            raise PermissionError
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        return "fadvise"
 
 
 # ---- 1. loads ------------------------------------------------------------------------------
@@ -157,95 +107,8 @@ def load_all(sock: str, kv, hs: list[bytes]) -> float:
         return time.perf_counter() - t0
 
 
-def direct_read(path: str, size: int, streams: int = 1) -> float:
-    """``dd iflag=direct bs=1M`` (one stream), or fio-style ``streams`` threads each
-    reading its own part: the device at queue depth ``streams``."""
-    part = size // streams // 2**20 * 2**20
-
-    def read(start: int, end: int) -> None:
-        buf = mmap.mmap(-1, 2**20)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        off = start
-        while off < end:
-            n = os.preadv(fd, [buf], off)
-            if n <= 0:
-                break
-            off += n
-        os.close(fd)
-    ts = [threading.Thread(target=read, args=(i * part, size if i == streams - 1 else (i + 1) * part))
-          for i in range(streams)]
-    return timed_threads(ts)
-
-
-def timed_threads(ts: list[threading.Thread]) -> float:
-    """Seconds from starting these threads to the last one finishing."""
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
-
-
-def files_read(files: list[str]) -> float:
-    buf = bytearray(BLOCK + 4096)
-    t0 = time.perf_counter()
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(buf)
-    return time.perf_counter() - t0
-
-
 # ---- 2. I/O method ----------------------------------------------------------------------------
-def read_files(files: list[str], threads: int, how: str, pool: mmap.mmap) -> float:
-    """``how``: "buffered" (preadv into the pool), "bounce" (O_DIRECT into a buffer, then a copy),
-    "direct" (O_DIRECT into the pool: what the tier does where the filesystem allows).
-    ``pool``: page-aligned and prefaulted, as the daemon's."""
-    view = memoryview(pool)
-    it = iter(enumerate(files))
-    lock = threading.Lock()
-
-    def work():
-        bounce = mmap.mmap(-1, BLOCK + 4096)
-        header = memoryview(bounce)[:4096]
-        while True:
-            with lock:
-                item = next(it, None)
-            if item is None:
-                return
-            i, path = item
-            fd = os.open(path, os.O_RDONLY | (0 if how == "buffered" else os.O_DIRECT))
-            dest = view[i * BLOCK:(i + 1) * BLOCK]
-            if how == "bounce":  # the header page and the payload in one aligned read, then copied
-                os.preadv(fd, [bounce], 0)
-                dest[:] = memoryview(bounce)[4096:4096 + BLOCK]
-            else:  # header and payload in one call, the payload straight into the pool
-                os.preadv(fd, [header, dest], 0)
-            if how == "buffered":
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-            dest.release()
-    ts = [threading.Thread(target=work) for _ in range(threads)]
-    return timed_threads(ts)
-
-
-def write_files(root: str, n: int, fsync: bool) -> float:
-    payload = os.urandom(BLOCK + 4096)
-    os.makedirs(root, exist_ok=True)
-    t0 = time.perf_counter()
-    for i in range(n):
-        tmp, final = os.path.join(root, f"{i}.tmp"), os.path.join(root, f"{i}.kvb")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.pwrite(fd, payload, 0)
-        if fsync:
-            os.fsync(fd)
-        os.close(fd)
-        os.rename(tmp, final)
-    os.sync()  # what was not fsynced is written now: counted, or the comparison would be unfair
-    return time.perf_counter() - t0
-
-
-# ---- 3. lookups --------------------------------------------------------------------------------
+# ---- lookups --------------------------------------------------------------------------------
 def lookup_round_trips(sock: str, kv, ram: list[bytes], disk: list[bytes], n: int) -> dict:
     out = {"ram": [], "disk": []}
     with Client(sock, name="engine", timeout=60) as c:
@@ -302,48 +165,6 @@ def lookup_in_process(n: int) -> dict:
     return {k: min(v) for k, v in out.items()}
 
 
-# ---- stores --------------------------------------------------------------------------------
-STORE_CHAIN = 16
-
-
-def store_latencies(sock: str, kv, n: int, tag: int) -> list[float]:
-    with Client(sock, name="engine", timeout=60) as c:
-        c.register_kv_cache(kv, [0] * LAYERS, NS)
-        out = []
-        for i in range(n):
-            hs = [bytes([tag]) + i.to_bytes(4, "little") + j.to_bytes(2, "little") + bytes(9)
-                  for j in range(STORE_CHAIN)]
-            t0 = time.perf_counter()
-            assert c.store(hs, list(range(i % 16 * STORE_CHAIN, (i % 16 + 1) * STORE_CHAIN))).wait().ok
-            out.append(time.perf_counter() - t0)
-        return out
-
-
-def bench_stores(a, work: str, kv) -> dict:
-    sides = {"baseline, disk on": (a.baseline, True), "this, disk on": (None, True), "this, disk off": (None, False)}
-    got: dict = {name: [] for name in sides}
-    written: dict = {name: [] for name in sides}
-    sock = os.path.join(work, "s.sock")
-    for rep in range(a.reps):
-        for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
-            repo, on = sides[name]
-            root = os.path.join(work, f"disk-{rep}-{len(got[name])}-{int(on)}")
-            d = daemon(sock, root if on else "", 4 << 30, 64 << 20, 4, repo)
-            lat = store_latencies(sock, kv, a.stores, rep + 1)
-            time.sleep(2)  # the write-behind catches up (or not): what was written and what was not
-            s = disk_stats(sock)
-            stop(d)
-            shutil.rmtree(root, ignore_errors=True)
-            got[name].append((statistics.median(lat) * 1e3, sorted(lat)[int(len(lat) * 0.99) - 1] * 1e3))
-            written[name].append({k: s.get(k) for k in ("written", "queue_full", "not_written") if k in s})
-    rows = [[name, round(statistics.median(x[0] for x in v), 2), round(statistics.median(x[1] for x in v), 2),
-             "; ".join(f"{p50:.2f}/{p99:.2f}" for p50, p99 in v), written[name][-1]] for name, v in got.items()]
-    return {"table": table(["daemon", "store p50 ms", "store p99 ms", "runs p50/p99", "last run: written, not"],
-                           rows, f"{a.stores} stores of {STORE_CHAIN} x {format_size(BLOCK)} into a 64 MiB pool, "
-                           f"reps alternating, baseline {a.baseline}"),
-            "runs": got, "written": written}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bytes", type=size_list, default=[2**30], help="bytes of blocks on disk (one size)")
@@ -353,25 +174,9 @@ def main() -> int:
     p.add_argument("--lookups", type=int, default=2000)
     p.add_argument("--cache", choices=("drop", "fadvise"), default="drop",
                    help="cold reads by drop_caches (as root; else fadvise) or POSIX_FADV_DONTNEED on the files")
-    p.add_argument("--stores", type=int, default=0, help="measure N stores instead (see above)")
-    p.add_argument("--baseline", default="", help="--stores: another checkout's daemon to compare")
     add_json_flag(p)
     a = p.parse_args()
     DROP["caches"] = a.cache == "drop"
-    if a.stores:
-        work = tempfile.mkdtemp(prefix="kvtier-bench-stores-", dir=a.dir)
-        os.chmod(work, 0o700)
-        kv = ShmKVCache([SHAPE] * LAYERS, __import__("torch").float16)
-        load1 = os.getloadavg()
-        try:
-            out = bench_stores(a, work, kv)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            kv.close()
-        note = f"Load average at start {load1[0]:.2f}, at end {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs"
-        emit({"machine": machine_notes(), "stores": out["runs"], "written": out["written"]},
-             [note, out["table"]], a.json)
-        return 0
     total = max(1, a.bytes[0] // BLOCK // PER_LOAD) * PER_LOAD * BLOCK  # whole loads of 64 blocks
     n = total // BLOCK
     threads = [int(t) for t in a.threads.split(",")]
@@ -390,7 +195,7 @@ def main() -> int:
         hs = fill(sock, kv, n)
         s = disk_stats(sock)
         assert s["written"] == n, s
-        stop(d)
+        stop_daemon(d)
         files = block_files(root)
         big = os.path.join(work, "sequential.bin")
         with open(big, "wb") as f:  # the dd baseline's file: as many bytes, same filesystem
@@ -403,13 +208,13 @@ def main() -> int:
                 how = drop_cache(files + [big])
                 d = daemon(sock, root, disk_size, pool, t)
                 rows[t].append(total / load_all(sock, kv, hs) / 1e9)
-                stop(d)
+                stop_daemon(d)
             drop_cache(files + [big])
             dd.append(total / direct_read(big, total) / 1e9)
             drop_cache(files + [big])
             fio.append(total / direct_read(big, total, 4) / 1e9)
             drop_cache(files + [big])
-            cat.append(total / files_read(files) / 1e9)
+            cat.append(total / files_read(files, BLOCK) / 1e9)
         med = statistics.median
         base_dd, base_fio, base_cat = med(dd), med(fio), med(cat)
         runs = lambda v: ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
@@ -430,7 +235,7 @@ def main() -> int:
             for t in threads:
                 for how_ in (hows if rep % 2 == 0 else hows[::-1]):
                     drop_cache(files)
-                    method.setdefault((t, how_), []).append(total / read_files(files, t, how_, pool_buf) / 1e9)
+                    method.setdefault((t, how_), []).append(total / read_files(files, BLOCK, t, how_, pool_buf) / 1e9)
         t2 = table(["threads", "buffered preadv into the pool GB/s", "O_DIRECT into a buffer + copy GB/s",
                     "O_DIRECT into the pool GB/s", "direct / buffered"],
                    [[t, med(method[(t, "buffered")]), med(method[(t, "bounce")]), med(method[(t, "direct")]),
@@ -441,7 +246,7 @@ def main() -> int:
         for rep in range(a.reps):
             for fs in ((False, True) if rep % 2 == 0 else (True, False)):
                 out = os.path.join(work, f"w{rep}{int(fs)}")
-                writes[fs].append(wn * BLOCK / write_files(out, wn, fs) / 1e9)
+                writes[fs].append(wn * BLOCK / write_files(out, BLOCK, wn, fs) / 1e9)
                 shutil.rmtree(out)
         t3 = table(["writes", "GB/s (median)", "runs"],
                    [["tmp + rename, no fsync (then one sync)", med(writes[False]),
@@ -458,7 +263,7 @@ def main() -> int:
             ram_chain = hashes(64, 9)
             assert c.store(ram_chain, list(range(64))).wait().ok
         rt = lookup_round_trips(sock, kv, ram_chain, disk_chain, a.lookups)
-        stop(d)
+        stop_daemon(d)
         ip = lookup_in_process(200)
         t4 = table(["lookup of 64 blocks", "RAM hits", "disk hits", "disk / RAM"],
                    [["client round trip, median us", rt["ram"], rt["disk"], f"{rt['disk'] / rt['ram']:.2f}"]],

@@ -57,7 +57,7 @@ import peers_systems as ps
 
 sys.path.insert(0, os.path.join(REPO, "client"))
 import vllm_offline  # noqa: E402
-from bench_vllm import Prompts, default_bind, settings_diff  # noqa: E402
+from vllm_procs import Prompts, default_bind, settings_diff  # noqa: E402
 
 SHARED_STORE = ("kvtier", "lmcache-lmcache_driven", "lmcache-engine_driven")
 

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-from bench_vllm import Engine, Prompts, ex, interleave
+from vllm_procs import Engine, Prompts, ex, interleave
 from benchlib import median, pct, start_daemon, table
 
 

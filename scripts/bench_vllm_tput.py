@@ -3,7 +3,7 @@
 
     python scripts/bench_vllm_tput.py --rounds 8
 
-Engines alive side by side (``bench_vllm.Engine``, the same settings and OpenMP
+Engines alive side by side (``vllm_procs.Engine``, the same settings and OpenMP
 binding on every one), each round the same batch of ``--tp-prompts`` new
 ``--tp-tokens``-token prompts x ``--tp-out`` output tokens sent to every engine
 in turn, the order rotating; tokens/s per engine, ratio = median of per-round
@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from bench_vllm import Engine, Prompts, default_bind, interleave
+from vllm_procs import Engine, Prompts, default_bind, interleave
 from benchlib import REPO, median, start_daemon
 
 sys.path.insert(0, os.path.join(REPO, "client"))

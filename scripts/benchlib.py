@@ -153,26 +153,59 @@ def no_system_config() -> list[str]:
 _EMPTY_CONFIG: str | None = None
 
 
-def start_daemon(socket: str, pool_size: str, env: dict | None = None, timeout: float = 120,
-                 extra: tuple = ()):
+def start_daemon(socket: str, pool_size, env: dict | None = None, timeout: float = 120, extra: tuple = (), *,
+                 cwd: str | None = None, log_level: str | None = None, log: str | None = None, ready=None):
     """``python -m kvtier.daemon`` on ``socket`` (``extra``: more daemon flags); returns the
-    Popen once the socket exists."""
+    Popen once the socket exists and ``ready(socket)``, when given, is true (a probe that
+    raises: not yet). ``cwd``: the checkout whose kvtier runs (before/after trees: ``-m``
+    puts the cwd first on the daemon's path; PYTHONPATH names it too, for what it spawns);
+    ``log_level``: its ``--log-level``; ``log``: a file for its log (else a temporary one)."""
     import subprocess
     import tempfile
+    if os.path.lexists(socket):  # a stale socket would read as "up" before the daemon binds
+        os.unlink(socket)
+    env = dict(os.environ if env is None else env, **({"PYTHONPATH": cwd} if cwd else {}))
+    flags = [*no_system_config(), *(("--log-level", log_level) if log_level else ()), *extra]
     # Its log goes to a file, not a pipe nobody reads: a pipe that fills (~64 KiB of INFO
     # lines in a long benchmark) would stop the daemon mid-run.
-    log = tempfile.TemporaryFile(mode="w+", prefix="kvtier-bench-daemon-")
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket, "--pool-size", pool_size,
-                             *no_system_config(), *extra], env=env, stdout=subprocess.DEVNULL, stderr=log)
+    out = open(log, "w+") if log else tempfile.TemporaryFile(mode="w+", prefix="kvtier-bench-daemon-")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", socket,
+                             "--pool-size", str(pool_size), *flags],
+                            env=env, cwd=cwd or None, stdout=subprocess.DEVNULL, stderr=out)
     deadline = time.monotonic() + timeout
-    while not os.path.exists(socket):
+    while not (os.path.exists(socket) and _probe(ready, socket)):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            log.seek(0)
-            raise SystemExit(f"kvtier-daemon did not start: {log.read()[-2000:]}")
-        time.sleep(0.05)
+            out.seek(0)
+            raise SystemExit(f"kvtier-daemon did not start: {out.read()[-2000:]}")
+        # Callers time a start to ready: a fine poll for the socket; a probe (a client) less often.
+        time.sleep(0.01 if ready is not None and os.path.exists(socket) else 0.002)
     return proc
+
+
+def stop_daemon(proc, timeout: float = 120) -> float:
+    """SIGTERM (it drains its copies and removes its pool), then wait: the seconds it took."""
+    import signal
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout)
+    return time.perf_counter() - t0
+
+
+def _probe(ready, socket: str) -> bool:
+    try:
+        return ready is None or bool(ready(socket))
+    except Exception:  # noqa: BLE001 - bound but not serving yet
+        return False
+
+
+def answers_stats(socket: str, timeout: float = 60) -> bool:
+    """A ``ready`` probe: the daemon's loop answers a client (HELLO, then stats)."""
+    from kvtier.client import Client
+    with Client(socket, name="probe", timeout=timeout) as c:
+        c.stats()
+    return True
 
 
 # ---- client processes -------------------------------------------------------------

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.e2e.benchrun import run, script
+from tests.conftest import REPO
+from tests.e2e.benchrun import SCRIPTS, run, script
 
 
 def test_bench_transfer_measures_every_point_of_both_layouts(tmp_path):
@@ -126,6 +130,20 @@ def test_bench_disk_reports_loads_against_dd_the_io_methods_and_lookups():
     assert min(out["writes"]["fsync"] + out["writes"]["no_fsync"]) > 0
     assert set(out["lookups"]["round_trip_us"]) == {"ram", "disk"}
     assert len(out["lookups"]["in_process_ns"]) == 4 and len(out["loadavg"]) == 2
+
+
+def test_bench_disk_stores_times_every_daemon_and_says_what_each_wrote():
+    out = json.loads(script("bench_disk_stores.py", "--stores", "3", "--reps", "1", "--baseline", REPO, "--json"))
+    assert set(out["stores"]) == {"baseline, disk on", "this, disk on", "this, disk off"}
+    assert all(len(runs) == 1 and min(runs[0]) > 0 for runs in out["stores"].values())
+    assert out["written"]["this, disk on"][0]["written"] == 3 * 16  # every block of the 3 stores reached the disk
+
+
+@pytest.mark.parametrize("args", [["--stores", "0"], ["--reps", "0"], ["--baseline", "/nonexistent"]])
+def test_bench_disk_stores_refuses_what_cannot_run(args):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_disk_stores.py"), *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bench_engine_reports_every_row_of_issue_16_as_a_ratio():
