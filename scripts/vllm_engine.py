@@ -41,6 +41,7 @@ sys.path.insert(0, REPO)
 def _worker_facts(worker) -> dict:
     """Runs inside vLLM's worker (engine-core process): what its compute really uses."""
     import torch
+    import vllm
     vc = worker.vllm_config
     sc, cc, pc = vc.scheduler_config, vc.cache_config, vc.parallel_config
     facts = {
@@ -60,6 +61,8 @@ def _worker_facts(worker) -> dict:
         "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
         "process_affinity": sorted(os.sched_getaffinity(0)),
         "pids": {"worker": os.getpid(), "engine_core": os.getppid()},
+        # which vLLM the worker imported: 0.33's sources over 0.32's CPU kernels say 0.33.0 here
+        "vllm": vllm.__version__,
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("OMP_", "KMP_", "GOMP_", "VLLM_CPU", "MKL_", "LD_PRELOAD", "MALLOC", "THP_"))},
     }
