@@ -31,20 +31,31 @@ CHECKS = {
                             "test_cuda.py::test_an_engine_gets_its_kv_memory_back_once_the_daemon_let_go"],
     "hf_continuous_batching_cuda": ["test_transformers_cuda.py::"],
     "engine_adapter_cuda": ["test_engine_kv.py::"],
+    # Runs only where the node has SGLang (0.5.23) installed; elsewhere it is "skipped", with why.
+    "sglang_engine_end_to_end": ["test_sglang_engine.py::"],
 }
 
 
-def tests_of(junit: str) -> dict[str, str]:
-    """{"file.py::test[param]": "passed" | "failed" | "error" | "skipped"}."""
-    out = {}
+def tests_of(junit: str) -> tuple[dict[str, str], dict[str, str]]:
+    """({"file.py::test[param]": "passed" | "failed" | "error" | "skipped"},
+    {skipped test: pytest's reason, cut to 200 characters})."""
+    out, reasons = {}, {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.py::{case.get('name')}"
         outcome = "passed"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                if child.tag == "skipped":
+                    reasons[name] = (child.get("message") or "")[:200]
         out[name] = outcome
-    return out
+    return out, reasons
+
+
+def why_skipped(checks: dict[str, str], reasons: dict[str, str]) -> dict[str, str]:
+    """For each check that was skipped, the reason pytest gave for its first test."""
+    return {check: next((r for n, r in reasons.items() if any(n.startswith(p) for p in CHECKS[check])), "")
+            for check, outcome in checks.items() if outcome == "skipped"}
 
 
 def checks_of(tests: dict[str, str]) -> dict[str, str]:
@@ -70,14 +81,15 @@ def main(argv: list[str]) -> int:
              "timed_out": code in (124, 137), "log": f"{step}.log"}
     if len(argv) > 5 and os.path.exists(argv[5]):
         try:
-            tests = tests_of(argv[5])
+            tests, reasons = tests_of(argv[5])
         except ET.ParseError as exc:
             entry["junit_error"] = str(exc)
         else:
             counts: dict[str, int] = {}
             for outcome in tests.values():
                 counts[outcome] = counts.get(outcome, 0) + 1
-            entry.update(counts=counts, checks=checks_of(tests),
+            checks = checks_of(tests)
+            entry.update(counts=counts, checks=checks, checks_skipped_because=why_skipped(checks, reasons),
                          not_passed={n: o for n, o in tests.items() if o not in ("passed", "skipped")},
                          skipped=sorted(n for n, o in tests.items() if o == "skipped"))
     bench = os.path.join(results, f"{step}.json")

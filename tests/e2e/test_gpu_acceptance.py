@@ -35,6 +35,13 @@ FAKE_TESTS = textwrap.dedent("""
     def test_a_killed_workers_gpu_memory_comes_back():
         pytest.skip("needs two GPUs")
 """)
+# Where the node has no SGLang, the engine end-to-end check is skipped and says why.
+FAKE_SGLANG = textwrap.dedent("""
+    import pytest
+
+    def test_a_second_sglang_engine_prefetches_the_prompt_from_kvtier_and_answers_the_same():
+        pytest.skip("SGLang engine end to end: sglang is not installed")
+""")
 
 
 def fold(results, step: str, code: int, seconds: int, junit: str = "") -> dict:
@@ -45,9 +52,11 @@ def fold(results, step: str, code: int, seconds: int, junit: str = "") -> dict:
 
 def test_each_finished_step_is_in_the_summary_with_its_tests_and_named_checks(tmp_path):
     (tmp_path / "test_cuda.py").write_text(FAKE_TESTS)
+    (tmp_path / "test_sglang_engine.py").write_text(FAKE_SGLANG)
     junit = tmp_path / "gpu_tests.xml"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_cuda.py"),
-                          f"--junitxml={junit}"], cwd=tmp_path, capture_output=True, text=True)
+                          str(tmp_path / "test_sglang_engine.py"), f"--junitxml={junit}"],
+                         cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 1  # one test failed for real
     results = tmp_path / "results"
     results.mkdir()
@@ -57,13 +66,17 @@ def test_each_finished_step_is_in_the_summary_with_its_tests_and_named_checks(tm
     doc = fold(results, "gpu_tests", 1, 170, str(junit))
     tests = doc["steps"]["gpu_tests"]
     assert not doc["passed"] and "setup" in doc["steps"]  # the earlier step is kept
-    assert tests["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
+    assert tests["counts"] == {"passed": 2, "failed": 1, "skipped": 2}
     assert tests["not_passed"] == {"test_cuda.py::test_every_layout_round_trips_byte_exactly[kernel]": "failed"}
     checks = tests["checks"]
     assert checks["two_engines_byte_exact"] == "passed"
     assert checks["every_layout_and_copy_method"] == "failed"
     assert checks["gpu_memory_released"] == "skipped"
     assert checks["hf_continuous_batching_cuda"] == "not run"
+    assert checks["sglang_engine_end_to_end"] == "skipped"
+    assert tests["checks_skipped_because"] == {"gpu_memory_released": "needs two GPUs",
+                                               "sglang_engine_end_to_end": "SGLang engine end to end: "
+                                                                           "sglang is not installed"}
 
     (results / "bench_gpu.json").write_text(json.dumps({"rows": [{"case": "2mib", "store_gbps": 20.0}]}))
     doc = fold(results, "bench_gpu", 124, 90)  # cut at its limit, with the rows it had written
