@@ -149,7 +149,8 @@ def wait_until_held(socket: str, blocks: int, timeout: float = 120.0) -> int:
 def engines():
     """``start(*args)``: ``serve(*args)`` in a fresh process, started now; it
     returns a waiter for the result. Processes still running when the test
-    ends (it failed) are terminated (SGLang's scheduler children go with them)."""
+    ends (it failed) are killed; SGLang's scheduler processes die with their
+    parent (SGLang sets PR_SET_PDEATHSIG in them)."""
     procs = []
 
     def start(*args):
@@ -166,7 +167,7 @@ def engines():
     yield start
     for proc in procs:
         if proc.is_alive():
-            proc.terminate()
+            proc.kill()
             proc.join(30)
 
 
