@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,8 @@ import numpy as np
 import psutil
 import torch
 
-from benchlib import REPO, add_json_flag, emit, machine_notes, no_system_config, parse_size, pct, round_robin, table
+from benchlib import (REPO, add_json_flag, answers_stats, emit, machine_notes, parse_size, pct, round_robin,
+                      start_daemon, stop_daemon, table)
 
 from kvtier.client import Client, Namespace, ShmKVCache
 
@@ -72,32 +72,12 @@ def make_kv(block: int) -> ShmKVCache:
 
 def spawn(tree: str, sock: str, pool: int, warm: bool) -> tuple[subprocess.Popen, float]:
     """A daemon from ``tree`` and the seconds from spawn until it answers ``stats``."""
-    if os.path.exists(sock):
-        os.unlink(sock)
-    env = {**os.environ, "PYTHONPATH": tree, "KVTIER_WARM_RESTART": "1" if warm else "0",
-           "KVTIER_RAM_FRACTION": "0.9", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "KVTIER_WARM_RESTART": "1" if warm else "0", "KVTIER_RAM_FRACTION": "0.9",
+           "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size", str(pool),
-                          "--slab-size", SLAB, "--log-level", "WARNING", *no_system_config()],
-                         cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while True:
-        if p.poll() is not None:
-            raise SystemExit(f"daemon failed: {p.communicate()[1][-2000:]}")
-        if os.path.exists(sock):
-            try:
-                with Client(sock, name="probe", timeout=120) as c:
-                    c.stats()
-                return p, time.perf_counter() - t0
-            except Exception:  # bound, not serving yet
-                pass
-        time.sleep(0.005)
-
-
-def stop(p: subprocess.Popen) -> float:
-    t0 = time.perf_counter()
-    p.send_signal(signal.SIGTERM)
-    p.wait(600)
-    return time.perf_counter() - t0
+    p = start_daemon(sock, pool, env, 3600, ("--slab-size", SLAB), cwd=tree, log_level="WARNING",
+                     ready=lambda s: answers_stats(s, 120))  # a big warm pool takes minutes to adopt
+    return p, time.perf_counter() - t0
 
 
 def anon_rss(pid: int) -> int:
@@ -194,13 +174,13 @@ def big_pool(args, d: str) -> dict:
             "lookup_full": (lambda: big.lookup(keys(2, next(starts), 32)) == 32 or _miss(), None),
             "lookup_small": (lambda: small.lookup(keys(2, 0, 32)) == 32 or _miss(), None),
             "ping_full": (big.ping, None)}, min_time=3.0, min_reps=2000, max_reps=5000)
-    stop(sp)
+    stop_daemon(sp, 600)
     r["lookups"] = {k: {"n": len(v), "p50_ms": pct(v, 50) * 1e3, "p99_ms": pct(v, 99) * 1e3} for k, v in times.items()}
     r["load_lookups"] = load()
     print("lookups", r["lookups"], load(), flush=True)
 
     # Restart: warm (the kept pool adopted), then cold of the same size.
-    r["stop_s"] = stop(p)
+    r["stop_s"] = stop_daemon(p, 600)
     p, r["warm_start_s"] = spawn(REPO, sock, pool, True)
     with Client(sock, name="probe", timeout=60) as c:
         w = c.stats()["warm_restart"]
@@ -208,7 +188,7 @@ def big_pool(args, d: str) -> dict:
              rss_warm_mib=anon_rss(p.pid) / MiB, load_warm=load())
     print(f"warm start {r['warm_start_s']:.1f} s (adopt {w['adopt_s']:.1f} s, {w['adopted_blocks']:,} blocks)",
           flush=True)
-    stop(p)
+    stop_daemon(p, 600)
     kv.close()
     from kvtier.daemon.config import DaemonConfig
     from kvtier.daemon.warm import warm_names
@@ -216,7 +196,7 @@ def big_pool(args, d: str) -> dict:
     for n in warm_names(DaemonConfig(socket=sock)):
         unlink_segment(n)
     p, r["cold_start_again_s"] = spawn(REPO, sock, pool, False)
-    stop(p)
+    stop_daemon(p, 600)
     return r
 
 
@@ -239,7 +219,7 @@ def flush_hold(args, d: str, trees: dict) -> list[dict]:
                 got, _ = fill(sock, kv, X, 1, n)
                 row = {"tree": name, "rep": rep, "blocks": got, **flush_under_probe(sock, X)}
             finally:
-                stop(p)
+                stop_daemon(p, 600)
             print(row, flush=True)
             rows.append(row)
     kv.close()

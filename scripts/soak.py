@@ -34,12 +34,12 @@ import time
 
 import psutil
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import benchlib  # scripts/ is on sys.path when run as a script; it puts the checkout first
+import soak_worker
+from benchlib import REPO
 
-import soak_worker  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from kvtier.client import Client  # noqa: E402
-from kvtier.pool.segment import pid_of  # noqa: E402
+from kvtier.client import Client
+from kvtier.pool.segment import pid_of
 
 MiB = 2**20
 
@@ -64,17 +64,9 @@ def anon_rss(pid: int) -> int:
 
 
 def start_daemon(args, tmp: str) -> tuple[subprocess.Popen, str, str]:
-    sock = os.path.join(tmp, "kvtier.sock")
-    log = os.path.join(tmp, "daemon.log")
-    env = {**os.environ, "PYTHONPATH": REPO, "KVTIER_REAP_INTERVAL_S": "0.1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "--socket", sock, "--pool-size",
-                             args.pool_size, "--slab-size", args.slab_size],
-                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(sock):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"daemon did not start:\n{open(log).read()}")
-        time.sleep(0.05)
+    sock, log = os.path.join(tmp, "kvtier.sock"), os.path.join(tmp, "daemon.log")
+    proc = benchlib.start_daemon(sock, args.pool_size, {**os.environ, "KVTIER_REAP_INTERVAL_S": "0.1"}, 60,
+                                 ("--slab-size", args.slab_size), cwd=REPO, log=log)
     return proc, sock, log
 
 
@@ -224,8 +216,8 @@ def main(argv=None) -> int:
         audit = check_daemon(sock, sup.pids)
         rss["end"] = anon_rss(daemon.pid)
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        rc = daemon.wait(60)
+        benchlib.stop_daemon(daemon, 60)
+        rc = daemon.returncode
     totals = sup.totals()
     summary = {
         "seconds": args.seconds, "clients": args.clients, "seed": args.seed,
