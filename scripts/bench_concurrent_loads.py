@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from benchlib import int_list, no_system_config, parse_size, pct, short_size, table
+from benchlib import int_list, no_system_config, parse_size, short_size, table
 
 LAYERS = 8  # the block spread over 8 per-layer tensors, FlashInfer layout, like a small model
 
@@ -80,18 +80,20 @@ def engine(i: int, sockets: list[str], blocks: int, block: int, barriers: dict, 
         t1 = time.perf_counter()
         c.ping()
         ping = time.perf_counter() - t1
-        ok = result.ok and all(bool((t[:count].view(-1)[::997] != 0).any()) for t in kv.tensors)
-        conn.send((dt, ping, ok, end, digest(kv, count)))
+        conn.send((dt, ping, result.ok, end, digest(kv, count)))  # the caches were zeroed before
     for c in clients:
         c.close()
     kv.close()
 
 
 def digest(kv, count: int) -> int:
+    """crc32 over the first ``count`` blocks of every tensor: equal digests, equal bytes (for this check)."""
     import zlib
+
+    import torch
     crc = 0
     for t in kv.tensors:
-        crc = zlib.crc32(t[:count].contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy(), crc)
+        crc = zlib.crc32(t[:count].contiguous().view(-1).view(torch.uint8).numpy(), crc)
     return crc
 
 
