@@ -192,7 +192,7 @@ class Bench:
         for s in self.order(r):
             self.idle()
             got = self.engines[s]["A"].call("generate", prompts=batch, max_tokens=a.tp_out)
-            self.record("tok_s", s, got["tokens"] / got["s"])
+            self.record("tok_s", s, sum(map(len, got["tokens"])) / got["s"])
 
     def rounds(self) -> None:
         a = self.args

@@ -12,7 +12,7 @@ the benchmark learns why a peer does not run here); then answers each command
 line with one ``RESULT {json}`` line:
 
 * ``{"op": "ttft", "prompt": [ids]}`` -> ``{"s": seconds}`` (a 1-token generate)
-* ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"s": .., "tokens": n}``
+* ``{"op": "generate", "prompts": [[ids]], "max_tokens": n}`` -> ``{"s": .., "tokens": [[ids]]}``
 * ``{"op": "reset"}`` -> vLLM's own prefix cache dropped
 * ``{"op": "metrics"}`` -> vLLM's prefix-cache / connector counters
 * ``{"op": "quit"}``
@@ -32,8 +32,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "client"))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-COUNTERS = ("prefix_cache", "kv_offload", "external", "prompt_tokens")
-
 
 def build(args):
     from vllm import LLM
@@ -49,56 +47,17 @@ def build(args):
                disable_hybrid_kv_cache_manager=True, **kw)
 
 
-def metrics(llm) -> dict:
-    out = {}
-    for m in llm.get_metrics():
-        value = getattr(m, "value", None)
-        if isinstance(value, (int, float)) and any(s in m.name for s in COUNTERS):
-            out[m.name] = out.get(m.name, 0) + value
-    return out
-
-
 def serve(args) -> None:
-    from vllm import SamplingParams
     import vllm_engine
-    out = sys.stdout
     t0 = time.perf_counter()
     try:
         llm = build(args)
     except BaseException as e:  # noqa: BLE001 - the driver wants the reason, whatever it is
-        out.write("FAILED " + json.dumps({"error": f"{type(e).__name__}: {e}",
-                                          "trace": traceback.format_exc()[-4000:]}) + "\n")
-        out.flush()
+        sys.stdout.write("FAILED " + json.dumps({"error": f"{type(e).__name__}: {e}",
+                                                 "trace": traceback.format_exc()[-4000:]}) + "\n")
+        sys.stdout.flush()
         raise SystemExit(3) from None
-    start_s = time.perf_counter() - t0
-    settings = vllm_engine.settings(llm)
-    out.write("READY " + json.dumps({"start_s": start_s, "pid": os.getpid(), "settings": settings},
-                                    default=str) + "\n")
-    out.flush()
-    first = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.get("op")
-        if op == "quit":
-            break
-        if op == "ttft":
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": cmd["prompt"]}], first, use_tqdm=False)
-            res = {"s": time.perf_counter() - t}
-        elif op == "generate":
-            n = int(cmd["max_tokens"])
-            sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
-            t = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
-            res = {"s": time.perf_counter() - t, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-        elif op == "reset":
-            res = {"ok": bool(llm.reset_prefix_cache())}
-        elif op == "metrics":
-            res = metrics(llm)
-        else:
-            res = {"error": f"unknown op {op!r}"}
-        out.write("RESULT " + json.dumps(res, default=str) + "\n")
-        out.flush()
+    vllm_engine.answer(llm, time.perf_counter() - t0)  # the same commands as vllm_engine.py's
 
 
 def main(argv=None) -> int:

@@ -184,53 +184,63 @@ def settings(llm) -> dict:
     return facts
 
 
-def serve(args) -> None:
+def ttft(llm, cmd: dict) -> dict:
     from vllm import SamplingParams
-    t0 = time.perf_counter()
-    llm = build(args)
-    start_s = time.perf_counter() - t0
     first = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": cmd["prompt"]}], first, use_tqdm=False)
+    return {"s": time.perf_counter() - t}
+
+
+def generate(llm, cmd: dict) -> dict:
+    from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=cmd["max_tokens"], min_tokens=cmd["max_tokens"], temperature=0.0,
+                        detokenize=False, ignore_eos=True, skip_reading_prefix_cache=bool(cmd.get("fresh")) or None)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
+    return {"s": time.perf_counter() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def metrics(llm, cmd: dict | None = None) -> dict:
+    res = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)) and any(
+                s in m.name for s in ("prefix_cache", "kv_offload", "external", "prompt_tokens")):
+            res[m.name] = res.get(m.name, 0) + value
+    return res
+
+
+OPS = {"ttft": ttft, "generate": generate, "reset": lambda llm, cmd: {"ok": bool(llm.reset_prefix_cache())},
+       "metrics": metrics}
+
+
+def answer(llm, start_s: float, ops: dict | None = None) -> None:
+    """The command loop of this script and ``peers_engine.py``: ``READY {json}``, then one
+    ``RESULT {json}`` per command line until ``quit``; ``OPS`` and ``ops`` (op -> fn(llm, cmd))."""
+    ops = {**OPS, **(ops or {})}
     out = sys.stdout
     out.write("READY " + json.dumps({"start_s": start_s, "pid": os.getpid(), "settings": settings(llm)},
                                     default=str) + "\n")
     out.flush()
     for line in sys.stdin:
         cmd = json.loads(line)
-        op = cmd["op"]
+        op = cmd.get("op")
         if op == "quit":
             break
-        if op == "ttft":
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": cmd["prompt"]}], first, use_tqdm=False)
-            res = {"s": time.perf_counter() - t}
-        elif op == "generate":
-            sp = SamplingParams(max_tokens=cmd["max_tokens"], min_tokens=cmd["max_tokens"], temperature=0.0,
-                                detokenize=False, ignore_eos=True,
-                                skip_reading_prefix_cache=bool(cmd.get("fresh")) or None)
-            t = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
-            res = {"s": time.perf_counter() - t, "tokens": [list(o.outputs[0].token_ids) for o in outs]}
-        elif op == "reset":
-            res = {"ok": bool(llm.reset_prefix_cache())}
-        elif op == "adopt_kv":
-            res = {"mapping": llm.collective_rpc(_adopt_kv)[0]}
-        elif op == "touch_kv":
-            res = {"bytes": llm.collective_rpc(_touch_kv)[0]}
-        elif op == "settings":
-            res = settings(llm)
-        elif op == "threads":
-            res = llm.collective_rpc(_threads)[0]
-        elif op == "metrics":
-            res = {}
-            for m in llm.get_metrics():
-                value = getattr(m, "value", None)
-                if isinstance(value, (int, float)) and any(
-                        s in m.name for s in ("prefix_cache", "kv_offload", "external", "prompt_tokens")):
-                    res[m.name] = res.get(m.name, 0) + value
-        else:
-            res = {"error": f"unknown op {op!r}"}
+        res = ops[op](llm, cmd) if op in ops else {"error": f"unknown op {op!r}"}
         out.write("RESULT " + json.dumps(res, default=str) + "\n")
         out.flush()
+
+
+def serve(args) -> None:
+    t0 = time.perf_counter()
+    llm = build(args)
+    answer(llm, time.perf_counter() - t0, {
+        "adopt_kv": lambda llm, cmd: {"mapping": llm.collective_rpc(_adopt_kv)[0]},
+        "touch_kv": lambda llm, cmd: {"bytes": llm.collective_rpc(_touch_kv)[0]},
+        "settings": lambda llm, cmd: settings(llm),
+        "threads": lambda llm, cmd: llm.collective_rpc(_threads)[0]})
 
 
 def main(argv=None) -> int:
