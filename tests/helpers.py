@@ -24,6 +24,21 @@ def pool_segments(pid: int) -> list[str]:
     return glob.glob(f"/dev/shm/kvtier-pool.{pid}.*")
 
 
+def flip_a_pool_byte(pid: int, block: torch.Tensor) -> None:
+    """Bit rot inside daemon ``pid``'s pool: one byte of the stored copy of ``block``
+    (found by its first 64 bytes) flipped, as a stray write would."""
+    import mmap
+    needle = block.numpy().tobytes()[:64]
+    fd = os.open(pool_segments(pid)[0], os.O_RDWR)
+    try:
+        with mmap.mmap(fd, 0) as pool:
+            at = pool.find(needle)
+            assert at >= 0
+            pool[at + 100] ^= 0xFF
+    finally:
+        os.close(fd)
+
+
 def make_kv(shape=SHAPE, layers=LAYERS, dtype=torch.float16, seed=None):
     from kvtier.client import ShmKVCache
     kv = ShmKVCache([shape] * layers, dtype)

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.client import Client, KVTierError
 from kvtier.protocol import ErrorCode
-from tests.helpers import NS, make_kv, pool_segments
+from tests.helpers import NS, flip_a_pool_byte, make_kv, pool_segments
 
 
 def test_socket_and_pool_are_owner_group_only(daemon_factory):
@@ -66,7 +66,6 @@ def test_token_is_required_when_configured(daemon_factory):
 
 
 def test_checksum_mismatch_fails_the_load_and_drops_the_block(daemon_factory):
-    import mmap
     d = daemon_factory(process=True, env={"KVTIER_CHECKSUMS": "1"})
     kv = make_kv(seed=21)
     hashes = [bytes([i]) * 16 for i in range(4)]
@@ -75,15 +74,7 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block(daemon_factory):
         assert c.store(hashes, [0, 1, 2, 3]).wait().ok
         assert c.load(hashes, [4, 5, 6, 7]).wait().ok  # intact data verifies
         # Corrupt one byte of block 2 inside the daemon's pool (bit rot, a stray write).
-        needle = kv.tensors[0][2].numpy().tobytes()[:64]
-        fd = os.open(pool_segments(d.proc.pid)[0], os.O_RDWR)
-        try:
-            with mmap.mmap(fd, 0) as pool:
-                at = pool.find(needle)
-                assert at >= 0
-                pool[at + 100] ^= 0xFF
-        finally:
-            os.close(fd)
+        flip_a_pool_byte(d.proc.pid, kv.tensors[0][2])
         r = c.load(hashes, [4, 5, 6, 7]).wait()
         assert r.failed == (2,)  # reported, so the engine recomputes block 2
         assert c.lookup(hashes) == 2  # the corrupt block is gone

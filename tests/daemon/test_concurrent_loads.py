@@ -19,7 +19,7 @@ import torch
 from kvtier.client import Client
 from kvtier.daemon.config import DaemonConfig, load_config
 from tests.daemon.test_reaping import wait_for
-from tests.helpers import NS, make_kv, pool_segments, spawn
+from tests.helpers import NS, flip_a_pool_byte, make_kv, spawn
 
 BLOCKS = 32  # SHAPE's whole cache: 32 blocks of 16 KiB
 HASHES = [bytes([0xC0, i]) * 8 for i in range(BLOCKS)]
@@ -153,22 +153,13 @@ def test_sigkill_of_a_client_mid_copy_on_several_threads_releases_everything(dae
 
 
 def test_a_corrupt_block_fails_in_every_chunked_load_that_reads_it_and_the_rest_arrive_exact(daemon_factory):
-    import mmap
     d = daemon_factory(process=True, env={**slow(0.01, threads=4), "KVTIER_CHECKSUMS": "1"})
     src, a_kv, b_kv = make_kv(seed=21), make_kv(seed=22), make_kv(seed=23)
     with stored(d, src), d.client(name="a") as a, d.client(name="b") as b:
         a.register_kv_cache(a_kv, [0] * 4, NS)
         b.register_kv_cache(b_kv, [0] * 4, NS)
         # Corrupt one byte of block 9 inside the daemon's pool (bit rot, a stray write).
-        needle = src.tensors[0][9].numpy().tobytes()[:64]
-        fd = os.open(pool_segments(d.proc.pid)[0], os.O_RDWR)
-        try:
-            with mmap.mmap(fd, 0) as pool:
-                at = pool.find(needle)
-                assert at >= 0
-                pool[at + 100] ^= 0xFF
-        finally:
-            os.close(fd)
+        flip_a_pool_byte(d.proc.pid, src.tensors[0][9])
         results = [h.wait() for h in (a.load(HASHES, IDS), b.load(HASHES, IDS))]
         good = [i for i in IDS if i != 9]
         for r, kv in zip(results, (a_kv, b_kv)):

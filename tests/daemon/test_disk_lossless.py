@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import torch
 
 from tests.daemon.test_disk_tier import block_files, chain, disk_env, scanned
@@ -157,12 +158,15 @@ def test_what_a_sigkilled_daemon_left_unwritten_is_written_after_a_warm_restart_
     assert loads_back(cold, kv, tags, want, exact=not lost) == adopted - lost
 
 
-def test_the_disk_drops_the_files_used_least_recently_a_lookup_hit_counts(daemon_factory, tmp_path):
+@pytest.mark.parametrize("policy,left", [("lru", [32, 0, 32, 32]), ("fifo", [0, 32, 32, 32])])
+def test_the_disk_drops_files_in_the_pools_policy_order_a_lookup_hit_counts_under_lru(daemon_factory, tmp_path,
+                                                                                       policy, left):
     """Room for 96 files: chains A, B, C fill it. After a restart (all on disk only) a lookup
-    hits A; a fourth chain then makes room by dropping B, the least recently used, not A,
-    the oldest written. (A lookup over the socket: one the lookup mirror answers refreshes
+    hits A; a fourth chain then makes room. Under ``lru`` it drops B, the least recently
+    used, not A, the oldest written; under ``fifo`` files go in write order whatever was
+    used, so A goes. (A lookup over the socket: one the lookup mirror answers refreshes
     no recency, the load that follows does.)"""
-    env = disk_env(tmp_path / "disk", str(96 * PER_FILE), lookup_index="false")
+    env = disk_env(tmp_path / "disk", str(96 * PER_FILE), lookup_index="false", policy=policy)
     sock = str(tmp_path / "d.sock")
     kv = make_kv(seed=24)
     first = daemon_factory(process=True, socket=sock, env=env)
@@ -175,7 +179,7 @@ def test_the_disk_drops_the_files_used_least_recently_a_lookup_hit_counts(daemon
     assert scanned(d)
     with d.client(name="engine") as c:
         c.register_kv_cache(kv, [0] * 4, NS)
-        assert c.lookup(chain(1, 32)) == 32  # from the disk: a use
+        assert c.lookup(chain(1, 32)) == 32  # from the disk: a use under lru only
         store_chains(c, kv, [4])
         assert drained(d)["dropped"] == 32
-        assert [c.lookup(chain(tag, 32)) for tag in (1, 2, 3, 4)] == [32, 0, 32, 32]
+        assert [c.lookup(chain(tag, 32)) for tag in (1, 2, 3, 4)] == left
