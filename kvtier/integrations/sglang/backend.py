@@ -103,8 +103,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     # ---- lookups -------------------------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
-        """How many leading ``keys`` are in the pool (one round trip; 0 with no daemon)."""
-        if self._off or not keys:
+        """How many leading ``keys`` are in the pool (one round trip; 0 with no daemon,
+        before hashing the keys: most of a no-daemon call's time was that hashing)."""
+        if self._off or not keys or not self.client.connected:
             return 0
         return self._quietly(lambda: self.client.lookup([page_key(k) for k in keys]), 0)
 
