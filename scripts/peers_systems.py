@@ -90,9 +90,11 @@ def start_kvtier(tmp: str, pool: str, env: dict, config: str = "") -> tuple[Serv
     return Service("kvtier", proc, time.perf_counter() - t0, log), vllm_offline.kv_transfer_config(sock, 32)
 
 
-def start_lmcache(tmp: str, mode: str, l1_gb: float, env: dict, extra: list[str] = ()) -> tuple[Service, dict]:
-    """A private ``lmcache server`` (its own port) in CPU transfer mode ``mode``."""
-    port = free_port()
+def start_lmcache(tmp: str, mode: str, l1_gb: float, env: dict, extra: list[str] = (),
+                  port: int | None = None) -> tuple[Service, dict]:
+    """A private ``lmcache server`` (its own port; ``port``: the one a restarted server keeps,
+    where its engines reconnect) in CPU transfer mode ``mode``."""
+    port = port or free_port()
     log = os.path.join(tmp, f"lmcache-{mode}.log")
     cmd = [os.path.join(LMCACHE_VENV, "bin", "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port),
            "--http-port", str(free_port()),  # its admin API (default 8080: two servers would collide)
@@ -106,7 +108,9 @@ def start_lmcache(tmp: str, mode: str, l1_gb: float, env: dict, extra: list[str]
     transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port,
                                               "lmcache.mp.mp_transfer_mode": mode}}
-    return Service(f"lmcache-{mode}", proc, time.perf_counter() - t0, log), transfer
+    service = Service(f"lmcache-{mode}", proc, time.perf_counter() - t0, log)
+    service.port = port
+    return service, transfer
 
 
 def vllm_offload(kind: str, cpu_bytes: int) -> dict:

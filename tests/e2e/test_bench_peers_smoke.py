@@ -64,6 +64,9 @@ def check_rows(data: dict, shared: list[str]) -> None:
     for s in shared:
         assert min(times["disk_hit_tokens"][s]) >= prompt - 32, (s, times["disk_hit_tokens"][s])
     assert min(times["disk_loaded_blocks"]["kvtier"]) > 0
+    # What a restart keeps: kvtier's daemon, started again over the same disk directory, has
+    # the whole prompt again (LMCache's figure is recorded, not asserted).
+    assert min(times["restart_hit_tokens"]["kvtier"]) >= prompt - 32, times["restart_hit_tokens"]
 
 
 @pytest.mark.skipif(HAS_LMCACHE, reason="covered by the run with LMCache below")
