@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import select
+import signal
 import sys
 import termios
+import threading
 import time
 import tty
 
@@ -111,17 +113,22 @@ def run_top(client, interval: float, iterations: int, as_json: bool, out=None) -
                 prev = cur
                 if iterations and shown >= iterations:
                     return 0
-                if keys.wait_for_q(interval):
+                if keys.wait_for_q(interval) or keys.interrupted:
                     return 0
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # SIGINT before _Keys took it over, or outside the main thread
             return 0
 
 
 class _Keys:
-    """cbreak mode on a tty stdin (restored on exit); otherwise just sleeps."""
+    """cbreak mode on a tty stdin (restored on exit); otherwise just sleeps. Ctrl-C
+    (SIGINT) sets ``interrupted`` instead of raising wherever the main thread is: a
+    KeyboardInterrupt inside the client's request could leave its connection half
+    done and the close that follows waiting (seen: top not exiting in 60 s at load 7)."""
 
     def __enter__(self):
-        self.fd, self.saved = None, None
+        self.fd, self.saved, self.interrupted, self._sigint = None, None, False, None
+        if threading.current_thread() is threading.main_thread():
+            self._sigint = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             if sys.stdin is not None and sys.stdin.isatty():
                 self.fd = sys.stdin.fileno()
@@ -131,17 +138,23 @@ class _Keys:
             self.fd = None
         return self
 
+    def _on_sigint(self, *_) -> None:
+        self.interrupted = True
+
     def wait_for_q(self, timeout: float) -> bool:
-        if self.fd is None:
-            time.sleep(timeout)
-            return False
+        """True on q; returns early (within 0.1 s) once interrupted."""
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            ready, _, _ = select.select([self.fd], [], [], left)
+        while (left := deadline - time.monotonic()) > 0 and not self.interrupted:
+            if self.fd is None:
+                time.sleep(min(left, 0.1))
+                continue
+            ready, _, _ = select.select([self.fd], [], [], min(left, 0.1))
             if ready and sys.stdin.read(1) in ("q", "Q"):
                 return True
         return False
 
     def __exit__(self, *exc):
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)
         if self.fd is not None:
             termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
