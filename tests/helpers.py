@@ -60,6 +60,18 @@ def block_bytes(kv, ids, dim=0):
     return [t.select(dim, i).clone() for i in ids for t in kv.tensors]
 
 
+def engine_mid_transfer(socket: str, ready: str, op: str, hashes, ids, seed: int, hang_s: float) -> None:
+    """Child engine: start a (slow) ``op`` ("store" or "load") of ``hashes`` into block
+    ``ids``, tell the parent through the file ``ready``, then hang until it is killed."""
+    from kvtier.client import Client
+    kv = make_kv(seed=seed)
+    c = Client(socket, name="victim")
+    c.register_kv_cache(kv, [0] * 4, NS)
+    getattr(c, op)(hashes, ids)
+    open(ready, "w").close()
+    time.sleep(hang_s)
+
+
 def spawn(target, *args):
     """Run ``target(*args)`` in a fresh interpreter (spawn: no inherited state)."""
     ctx = mp.get_context("spawn")

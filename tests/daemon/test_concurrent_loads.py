@@ -19,7 +19,7 @@ import torch
 from kvtier.client import Client
 from kvtier.daemon.config import DaemonConfig, load_config
 from tests.daemon.test_reaping import wait_for
-from tests.helpers import NS, flip_a_pool_byte, make_kv, spawn
+from tests.helpers import NS, engine_mid_transfer, flip_a_pool_byte, make_kv, spawn
 
 BLOCKS = 32  # SHAPE's whole cache: 32 blocks of 16 KiB
 HASHES = [bytes([0xC0, i]) * 8 for i in range(BLOCKS)]
@@ -114,17 +114,6 @@ def test_a_cancelled_load_beside_another_clients_load_releases_its_blocks(daemon
         kv.close()
 
 
-def engine_loading(socket: str, ready: str) -> None:
-    """Child engine: start a slow load of HASHES, signal the parent, hang until killed."""
-    import time
-    kv = make_kv(seed=18)
-    c = Client(socket, name="victim")
-    c.register_kv_cache(kv, [0] * 4, NS)
-    c.load(HASHES, IDS)
-    open(ready, "w").close()
-    time.sleep(120)
-
-
 def test_sigkill_of_a_client_mid_copy_on_several_threads_releases_everything(daemon_factory, tmp_path):
     d = daemon_factory(process=True, env=slow(0.1, threads=4))
     src, other_kv = make_kv(seed=19), make_kv(seed=20)
@@ -132,7 +121,7 @@ def test_sigkill_of_a_client_mid_copy_on_several_threads_releases_everything(dae
         other.register_kv_cache(other_kv, [0] * 4, NS)
         baseline = d.stats()["pool"]["used_bytes"]
         ready = str(tmp_path / "ready")
-        p, _ = spawn(engine_loading, d.socket, ready)
+        p, _ = spawn(engine_mid_transfer, d.socket, ready, "load", HASHES, IDS, 18, 120)
         assert wait_for(lambda: os.path.exists(ready), 120)
         assert wait_for(lambda: any(c["inflight"] for c in d.stats(check=False)["clients"]
                                     if c["name"] == "victim"), 10)

@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from kvtier.client import Client
 from tests.daemon.test_reaping import wait_for
-from tests.helpers import NS, make_kv, spawn
+from tests.helpers import NS, engine_mid_transfer, make_kv, spawn
 
 CHUNK_DELAY = 0.3
 SLOW = {"KVTIER_COPY_DELAY_S": str(CHUNK_DELAY), "KVTIER_COPY_CHUNK_BYTES": "16KiB"}
@@ -144,20 +143,10 @@ def test_a_drain_past_its_deadline_cancels_and_still_answers(daemon_factory):
     dst.close()
 
 
-def store_and_hang(socket: str, ready: str) -> None:
-    """Child engine: start a slow store, tell the parent, then wait to be killed."""
-    kv = make_kv(seed=8)
-    c = Client(socket, name="victim")
-    c.register_kv_cache(kv, [0] * 4, NS)
-    c.store(HASHES, IDS)
-    open(ready, "w").close()
-    time.sleep(60)
-
-
 def test_a_client_killed_mid_store_leaves_no_visible_block(daemon_factory, tmp_path):
     d = daemon_factory(process=True, env=SLOW)
     ready = str(tmp_path / "ready")
-    p, _ = spawn(store_and_hang, d.socket, ready)
+    p, _ = spawn(engine_mid_transfer, d.socket, ready, "store", HASHES, IDS, 8, 60)
     assert wait_for(lambda: os.path.exists(ready), 120)  # a new interpreter: slow when busy
     assert wait_for(lambda: d.stats(check=False)["namespaces"][0]["writing"] == BLOCKS, 5)
     os.kill(p.pid, signal.SIGKILL)
