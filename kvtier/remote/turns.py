@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import OrderedDict, deque
+
+from ..lanes import Lanes
 
 
 class Slots:
@@ -54,8 +55,7 @@ class Slots:
 class TurnQueue:
     def __init__(self):
         self._cv = threading.Condition()
-        self._lanes: OrderedDict[str, deque] = OrderedDict()  # tenant -> its jobs; the first lane is next
-        self._count = 0
+        self._lanes = Lanes()  # tenant -> its jobs, in turn
         self._stop = False
 
     def put(self, job) -> None:
@@ -63,33 +63,23 @@ class TurnQueue:
             if job is None:  # as a FIFO's marker: what was queued before it still runs
                 self._stop = True
             else:
-                self._lanes.setdefault(job.tenant, deque()).append(job)
-                self._count += 1
+                self._lanes.push(job.tenant, job)
             self._cv.notify()
 
     def get(self, timeout: float | None = None):
         with self._cv:
-            if not self._cv.wait_for(lambda: self._count or self._stop, timeout):
+            if not self._cv.wait_for(lambda: len(self._lanes) or self._stop, timeout):
                 raise queue.Empty
             return self._next()
 
     def get_nowait(self):
         with self._cv:
-            if not self._count and not self._stop:
+            if not len(self._lanes) and not self._stop:
                 raise queue.Empty
             return self._next()
 
     def qsize(self) -> int:
-        return self._count
+        return len(self._lanes)
 
     def _next(self):
-        if not self._count:
-            return None  # stopped and drained
-        tenant, lane = next(iter(self._lanes.items()))
-        job = lane.popleft()
-        self._count -= 1
-        if lane:
-            self._lanes.move_to_end(tenant)  # its next job after every other tenant's turn
-        else:
-            del self._lanes[tenant]
-        return job
+        return self._lanes.pop()[1] if len(self._lanes) else None  # None: stopped and drained

@@ -23,15 +23,15 @@ Primitives: ``submit(token, fn, owner)``, ``submit_steps(token, steps, owner)``,
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
 from typing import Any, Callable, Iterator
 
+from ..lanes import Lanes
 from ..waker import Inbox
 
 
 class CopyWorker:
     def __init__(self, threads: int = 1):
-        self._jobs: OrderedDict[Any, deque] = OrderedDict()  # owner -> its jobs; next owner first
+        self._jobs = Lanes()  # owner -> its jobs, in turn
         self._ready = threading.Condition()
         self._closing = False
         self._done = Inbox()
@@ -60,33 +60,24 @@ class CopyWorker:
         with self._idle:
             self._pending += 1
         with self._ready:
-            self._jobs.setdefault(owner, deque()).append((token, steps))
+            self._jobs.push(owner, (token, steps))
             self._ready.notify()
 
     def _take(self):
         """The next owner's oldest job: (owner, token, steps), or None once closing and empty."""
         with self._ready:
-            while not self._jobs:
+            while not len(self._jobs):
                 if self._closing:
                     return None
                 self._ready.wait()
-            owner, jobs = next(iter(self._jobs.items()))
-            token, steps = jobs.popleft()
-            if jobs:
-                self._jobs.move_to_end(owner)  # the others go first next time
-            else:
-                del self._jobs[owner]
+            owner, (token, steps) = self._jobs.pop()
             return owner, token, steps
 
     def _requeue(self, owner: Any, token: Any, steps: Iterator) -> None:
         """A job with steps left goes back first in its owner's queue (its own
         order holds), behind every other owner's turn."""
         with self._ready:
-            jobs = self._jobs.get(owner)
-            if jobs is None:
-                self._jobs[owner] = deque([(token, steps)])  # new key: last in the round
-            else:
-                jobs.appendleft((token, steps))
+            self._jobs.push_front(owner, (token, steps))
             self._ready.notify()
 
     def completed(self) -> list[tuple[Any, BaseException | None]]:
