@@ -5,7 +5,7 @@
     python scripts/bench_trace.py [--trace FILE] [--requests N] [--capacities 0.02,0.05,0.1,0.2,0.4]
                                   [--engines 4] [--scenarios shared-spread,private-spread,...]
                                   [--block-bytes 16KiB] [--disk-x 10] [--no-drain] [--verify-every 8]
-                                  [--json FILE]
+                                  [--lookup-index default|on|off|off,on] [--rounds 1] [--json FILE]
 
 Each request of the trace (``../shared/traces/README.md``: one id per
 prefix-chained block) goes, in trace order, to one of ``--engines`` engine
@@ -34,6 +34,9 @@ and holds the capacity rounded up to 16 (printed). Scenarios:
                    disk_size of 10x the pool's bytes would hold only 5x its 4 KiB blocks);
                    each request waits for the disk's writes to finish (``--no-drain``: not),
                    as the trace's seconds between requests would let it
+``--lookup-index off,on`` runs each scenario with the daemon's lookup mirror
+off and on in turn (``--rounds`` times), so both see the same background
+load; ``default`` leaves the daemon's own default.
 Printed per scenario and capacity: the hit ratio (blocks loaded over blocks
 requested), the daemon's own hit count, the references, lookup/load/store
 p50/p99 and requests/s. Hit ratios do not depend on the machine (the disk
@@ -123,7 +126,7 @@ def route(chains: list[list[int]], engines: int, sticky: bool) -> list[int]:
     return [i % engines for i in range(len(chains))]
 
 
-def run_scenario(name: str, chains: list[list[int]], capacity: int, args) -> dict:
+def run_scenario(name: str, chains: list[list[int]], capacity: int, args, mirror: str = "default") -> dict:
     from kvtier.client import Client
     from kvtier.demo.daemon_proc import PrivateDaemon
 
@@ -137,6 +140,8 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args) -> dic
         disk_dir = tempfile.mkdtemp(prefix="kvtier-trace-disk-")
     daemons, engines, pipes, drain = [], [], [], None
     env = {"OMP_NUM_THREADS": "1"}
+    if mirror != "default":
+        env["KVTIER_LOOKUP_INDEX"] = "true" if mirror == "on" else "false"
     if disk_dir:
         from kvtier.disk.format import HEADER_BYTES
         disk_blocks = int(args.disk_x * slabs * SLAB_BLOCKS)
@@ -183,7 +188,7 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args) -> dic
                 disk = {k: v for k, v in s["disk"].items()
                         if k == "not_written" or isinstance(v, (int, float)) and not isinstance(v, bool)}
         refs = tracesim.references(chains)
-        row = {"scenario": name, "capacity_blocks": capacity, "daemons": len(daemons),
+        row = {"scenario": name, "mirror": mirror, "capacity_blocks": capacity, "daemons": len(daemons),
                "pool_blocks_each": slabs * SLAB_BLOCKS, "hit_ratio": hits / refs, "daemon_hits": daemon_hits,
                "references": refs, "verified_blocks": verified, "bad_blocks": bad, "blocks_held_at_end": held,
                "requests_per_s": len(chains) / wall, "disk": disk, "drained": drain is not None}
@@ -257,6 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-drain", dest="drain", action="store_false",
                     help="disk: send the next request without waiting for the disk's writes to finish")
     ap.add_argument("--verify-every", type=int, default=8)
+    ap.add_argument("--lookup-index", default="default",
+                    help="the lookup mirror: default, on, off, or a list run in turn (off,on)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every scenario x mirror setting this often")
     bl.add_json_flag(ap)
     args = ap.parse_args(argv)
     if not 0 < args.disk_x < 1e6:
@@ -264,6 +272,11 @@ def main(argv=None) -> int:
     bad = [s for s in args.scenarios.split(",") if s not in SCENARIOS]
     if bad:
         raise SystemExit(f"unknown scenarios {bad}; choose from {SCENARIOS}")
+    mirrors = args.lookup_index.split(",")
+    if not mirrors or any(m not in ("default", "on", "off") for m in mirrors):
+        raise SystemExit(f"--lookup-index takes default, on, off or a list of them, not {args.lookup_index!r}")
+    if not 1 <= args.rounds <= 100:
+        raise SystemExit(f"--rounds must be 1-100, not {args.rounds}")
     if args.block_bytes % 256 or args.block_bytes < 256:
         raise SystemExit("--block-bytes must be a multiple of 256")
     chains = [r["hash_ids"] for r in tracesim.load_trace(args.trace, args.requests)]
@@ -272,25 +285,25 @@ def main(argv=None) -> int:
     rows = []
     for share in (float(x) for x in args.capacities.split(",")):
         capacity = max(1, int(ws * share))
-        for name in args.scenarios.split(","):
-            row = run_scenario(name, chains, capacity, args)
+        for name, mirror in [(n, m) for _ in range(args.rounds) for n in args.scenarios.split(",") for m in mirrors]:
+            row = run_scenario(name, chains, capacity, args, mirror)
             refs = references_for(name, chains, row["pool_blocks_each"], args.engines, args.disk_x)
             row.update(capacity=share, infinite=infinite, sim_lru=refs["lru"], sim_belady=refs["belady"],
                        sim_ram_disk=refs.get("ram+disk"), sim_lru_combined=refs.get("lru-combined"))
             tiers = (f", ram+disk sim {refs['ram+disk']:.3f}, one lru of both {refs['lru-combined']:.3f}"
                      if name == "disk" else "")
             rows.append(row)
-            print(f"{share:>5.0%} {name:<15} hit {row['hit_ratio']:.3f} (lru sim {refs['lru']:.3f}, "
+            print(f"{share:>5.0%} {name:<15} mirror {mirror:<7} hit {row['hit_ratio']:.3f} (lru sim {refs['lru']:.3f}, "
                   f"bound {refs['belady']:.3f}, infinite {infinite:.3f}{tiers})  {row['requests_per_s']:.0f} req/s",
                   file=sys.stderr, flush=True)
     report = {"trace": os.path.basename(args.trace), "requests": len(chains), "working_set_blocks": ws,
               "engines": args.engines, "block_bytes": args.block_bytes, "rows": rows,
               "machine": bl.machine_notes()}
     table = bl.table(
-        ["capacity", "scenario", "pool blocks", "hit ratio", "LRU sim", "bound", "RAM+disk sim", "LRU of both",
+        ["capacity", "scenario", "mirror", "pool blocks", "hit ratio", "LRU sim", "bound", "RAM+disk sim", "LRU of both",
          "daemon hits", "bad",
          "lookup p50/p99 ms", "load p50/p99 ms", "store p50/p99 ms", "req/s"],
-        [[f"{r['capacity']:.0%}", r["scenario"], f"{r['daemons']}x{r['pool_blocks_each']}",
+        [[f"{r['capacity']:.0%}", r["scenario"], r["mirror"], f"{r['daemons']}x{r['pool_blocks_each']}",
           f"{r['hit_ratio']:.3f}", f"{r['sim_lru']:.3f}", f"{r['sim_belady']:.3f}",
           *(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("sim_ram_disk", "sim_lru_combined")), r["daemon_hits"],
           r["bad_blocks"], f"{r['lookup_p50_ms']}/{r['lookup_p99_ms']}", f"{r['load_p50_ms']}/{r['load_p99_ms']}",

@@ -5,10 +5,13 @@ A flush hides what it names at once (``pool/drain.py``); the loop then calls
 of the loop's time and at most ``SLICE_MAX`` entries, and sends each flush's
 ``flushed`` reply once all of its blocks are freed (so ``used_bytes`` has
 dropped by then). Requests, copies and reaping are served between slices;
-the poll does not wait while a flush is pending.
+the poll does not wait while a flush is pending. The disk tier's part of a
+flush (``DiskBridge.flush_keys``: hidden at once too) is freed in the same
+slices, before the RAM part, and a flush is answered when both are done
+(its count: RAM's blocks plus the files RAM did not hold).
 
-Primitives: ``Flushes(index, send, counters).start(identity, req_id, buckets,
-everything, on_disk, note)``, ``.step()``, ``.pending``.
+Primitives: ``Flushes(index, send, counters, disk=None).start(identity, req_id, buckets,
+everything, disk_job, note)``, ``.step()``, ``.pending``.
 """
 
 from __future__ import annotations
@@ -28,30 +31,46 @@ BATCH = 64         # entries between two looks at the clock (a batch costs ~0.3 
 
 
 class Flushes:
-    def __init__(self, index: BlockIndex, send: Callable, counters: Counter):
-        self.index, self.send, self.counters = index, send, counters
-        self._waiting: dict = {}  # drain.Flush -> (identity, req_id, on_disk, note)
+    def __init__(self, index: BlockIndex, send: Callable, counters: Counter, disk=None):
+        self.index, self.send, self.counters, self.disk = index, send, counters, disk
+        self._waiting: dict = {}  # drain.Flush -> (identity, req_id, disk.DiskFlush | None, note)
+        self._finished: list = []  # RAM part done, waiting for the disk part
 
     @property
     def pending(self) -> bool:
-        """Work left for ``step``: a flush to finish, or an emptied map to release."""
-        return self.index.drains.busy
+        """Work left for ``step``: a flush to finish, an emptied map to release, or flushed
+        files to drop (a ``max_namespaces_per_user`` drop too, answered to nobody)."""
+        return self.index.drains.busy or bool(self._finished) or (self.disk is not None and self.disk.draining)
 
-    def start(self, identity: bytes, req_id: int, buckets: list, everything: bool, on_disk: int,
+    @property
+    def unanswered(self) -> int:
+        """Flush requests started and not yet answered (RAM or disk part still freeing)."""
+        return len(self._waiting)
+
+    def start(self, identity: bytes, req_id: int, buckets: list, everything: bool, disk_job,
               note: str) -> None:
         """Hide ``buckets``' blocks now; answer ``identity`` when they are freed.
-        ``on_disk``: blocks the disk tier removed that were not in RAM (counted in the reply)."""
+        ``disk_job``: the disk tier's part (``DiskBridge.flush_keys``, hidden already), or None."""
         job = self.index.start_flush(buckets, everything)
-        self._waiting[job] = (identity, req_id, on_disk, note)
+        self._waiting[job] = (identity, req_id, disk_job, note)
         self.counters["flushes"] += 1
 
     def step(self) -> None:
         """One turn's slice; replies for the flushes it finished."""
-        drains = self.index.drains
-        if not drains.busy:
+        drains, disk = self.index.drains, self.disk
+        draining = disk is not None and disk.draining
+        if not (drains.busy or draining or self._finished):
             return
-        t0, cpu0, freed, finished = time.perf_counter(), time.thread_time(), 0, []
-        while drains.busy and freed < SLICE_MAX:
+        t0, cpu0, freed, finished = time.perf_counter(), time.thread_time(), 0, self._finished
+        self._finished = []
+        while (drains.busy or draining) and freed < SLICE_MAX:
+            if draining:  # a flush's files first: its reply counts those RAM did not hold
+                disk.drain(min(BATCH, SLICE_MAX - freed))
+                draining = disk.draining
+                freed += BATCH
+                if time.perf_counter() - t0 >= SLICE_S:
+                    break
+                continue
             releasing = drains.releasing
             finished += drains.step(min(BATCH, SLICE_MAX - freed))
             freed += BATCH
@@ -66,7 +85,11 @@ class Flushes:
         c["flush_longest_turn_us"] = max(c["flush_longest_turn_us"], took_us)
         c["flush_longest_turn_cpu_us"] = max(c["flush_longest_turn_cpu_us"], cpu_us)
         for job in finished:
-            identity, req_id, on_disk, note = self._waiting.pop(job)
-            removed = job.removed + on_disk
+            identity, req_id, disk_job, note = self._waiting[job]
+            if disk_job is not None and not disk_job.done:
+                self._finished.append(job)  # RAM's part is freed; its files are not yet
+                continue
+            del self._waiting[job]
+            removed = job.removed + (disk_job.only_on_disk if disk_job is not None else 0)
             log.info("%s: %d blocks removed", note, removed)
             self.send(identity, req_id, m.Flushed(removed))

@@ -29,7 +29,7 @@ Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket, ready_keys)`
 ``.removed(bucket, key)`` (``with .batch():`` one write per table), ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``,
 ``.open_for(clients, peer, name) -> fd | why`` (a read-only descriptor for a registered process);
 the disk tier's side: ``.attach_lower(tier)`` (``tier.keys_of(ns_key)``, ``tier.on_disk(ns_key, key)``),
-``.disk_stored(ns_key, keys)``, ``.disk_removed(ns_key, keys)`` (keys RAM still holds stay).
+``.disk_stored(ns_key, keys)``, ``.disk_removed(ns_key, keys)`` (keys RAM still holds stay), ``.disk_cleared(ns_key)``.
 """
 
 from __future__ import annotations
@@ -105,8 +105,14 @@ class LookupIndexes:
 
     def cleared(self, bucket: Bucket) -> None:
         """A flush hid every ready block of ``bucket`` at once (``pool/drain.py``)."""
-        entry = self._writers.get(bucket.key)
-        if entry is not None:  # the disk tier drops the same namespace's files next (start_flush)
+        self.disk_cleared(bucket.key)  # the disk tier hides the same namespace's files next (start_flush)
+
+    def disk_cleared(self, ns_key: str) -> None:
+        """A flush hid the namespace's files (``DiskIndex.hide``); RAM's are hidden with them."""
+        entry = self._writers.get(ns_key)
+        if entry is not None:
+            if self._batch:
+                self._batch.pop(ns_key, None)  # removals of a table just emptied
             entry[0].clear()
 
     def removed(self, bucket: Bucket, key: bytes) -> None:

@@ -234,11 +234,9 @@ class RequestHandlers:
         on_disk = [key for key in self.disk.namespace_keys() if named(key)] if self.disk is not None else []
         if msg.namespace and not targets and not on_disk:
             raise DaemonError(ErrorCode.UNKNOWN_NAMESPACE, f"no namespace {msg.namespace[:64]!r}")
-        removed = 0
-        if on_disk:
-            removed = sum(1 for v in self.disk.flush_keys(on_disk) if not self.index.holds(v.ns_key, v.key))
+        disk_job = self.disk.flush_keys(on_disk) if on_disk else None  # hidden now, dropped over turns
         everything = not msg.namespace and client.admin
         self.flushes.start(identity, req_id, self.index.namespaces_matching() if everything else targets,
-                           everything, removed, f"client {client.id} (tenant {client.tenant}) flushed "
+                           everything, disk_job, f"client {client.id} (tenant {client.tenant}) flushed "
                            f"{msg.namespace[:64] or '(all)'}")
         return None  # answered by flushes.step once its blocks are freed

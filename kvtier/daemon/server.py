@@ -142,7 +142,7 @@ class Daemon:
             # and the tiers get them: what a SIGKILL left unwritten below is written now, or counted
             self.warm.adopt(self.index, crcs, tiers)
             self.warm.journal.cap_tenants(config.tenant_share)  # its records, like its slabs
-        self.flushes = Flushes(self.index, send, self.counters)
+        self.flushes = Flushes(self.index, send, self.counters, self.disk)
         replies = Replies(send, self.errors)
         self.handlers = RequestHandlers(self.sessions, self.copies, self.index, self.swap, self.stats, self.flushes,
                                         replies, lambda: self.stopping, self.disk, self.remote)

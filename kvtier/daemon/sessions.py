@@ -228,7 +228,8 @@ class Sessions:
                               "(max_namespaces_per_user)")
         dropped = disk.drop_namespaces(spare[:over])
         log.info("tenant %s at max_namespaces_per_user (%d): dropped its %d least recently used namespaces "
-                 "on disk (%d blocks) for a new one", tenant, cap, over, len(dropped))
+                 "on disk (%d blocks, their files dropped over the next loop turns) for a new one",
+                 tenant, cap, over, dropped.hidden)
 
     def forget_idle_namespaces(self) -> int:
         """Drop namespaces with no blocks, no registration and no swap, so a

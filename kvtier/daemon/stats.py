@@ -103,10 +103,12 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "events": {"enabled": d.listener.pub is not None, "published": d.counters["events_published"],
                    "dropped": d.counters["events_dropped"],
                    "dropped_messages": d.counters["event_messages_dropped"]},
-        "flushes": {"started": d.counters["flushes"], "pending": d.index.drains.pending,
+        "flushes": {"started": d.counters["flushes"], "pending": d.flushes.unanswered,
                     "turns": d.counters["flush_turns"],  # loop turns that freed flushed blocks
                     "longest_turn_ms": d.counters["flush_longest_turn_us"] / 1e3,
-                    "longest_turn_cpu_ms": d.counters["flush_longest_turn_cpu_us"] / 1e3},
+                    "longest_turn_cpu_ms": d.counters["flush_longest_turn_cpu_us"] / 1e3,
+                    # files of flushed namespaces still to drop (hidden from every reader already)
+                    "disk_hidden": d.disk.dindex.hidden if d.disk is not None else 0},
     }
 
 

@@ -15,7 +15,11 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
   extend(ns, keys, n)  BlockIndex.lookup's lower tier: how far the chain goes on
                        counting disk blocks (dict lookups, never the disk)
   flushed(ns | None)   BlockIndex.flush's lower tier: a flush empties the disk too
-  flush_keys(keys)     a flush of namespaces that may be on disk only (after a restart)
+  flush_keys(keys) -> DiskFlush
+                       a flush of namespaces that may be on disk only (after a restart):
+                       hidden at once (lookups, loads and the mirror see none of it),
+                       their files dropped ``drain(n)`` entries per loop turn
+                       (daemon/flushes.py); ``draining`` while any are left
   namespace_keys(), oldest_first(keys), drop_namespaces(keys)
                        max_namespaces_per_user counts disk namespaces too (daemon/sessions.py)
   load(ns, pending) -> bool  the load names disk blocks the pool lacks (loads.py: read
@@ -45,7 +49,7 @@ from itertools import islice
 
 from ..pool.keys import owner_of, split_key
 from .format import MAX_NS_KEY, file_bytes
-from .index import DiskEntry, DiskIndex
+from .index import DiskEntry, DiskFlush, DiskIndex
 from .io import DiskIO
 from .loads import DiskLoads
 from .schedule import ADOPT_BATCH, Adopted, WriteBacklog
@@ -101,19 +105,39 @@ class DiskBridge:
     def flushed(self, ns) -> None:
         self.flush_keys(None if ns is None else [ns.key])
 
-    def flush_keys(self, keys: list[str] | None) -> list:
+    def flush_keys(self, keys: list[str] | None) -> DiskFlush:
         """Drop these namespaces' blocks (None: all), also those with no bucket in RAM (found
-        by the scan after a restart); the entries dropped. A write or read of them that
-        finishes later is dropped too (its generation is stale)."""
+        by the scan after a restart). Hidden now, in O(namespaces): no lookup, load or mirror
+        reader sees any of them from here on; their files go ``drain`` slices later (a flush of
+        10^6 files in one turn held the loop). A write or read of them that finishes later is
+        dropped too (its generation is stale)."""
         for k in list(self.in_flight) if keys is None else keys:
             if self.in_flight[k]:
                 self.generation[k] += 1
         for k in self.backlog.namespaces() if keys is None else keys:
             self.backlog.forget(k)  # flushed from every tier: not written, by policy
         self.adopted_blocks.forget(None if keys is None else set(keys))  # the same for adopted ones
-        victims = self.dindex.drop(keys)
-        self._unlink(victims)
-        return victims
+        job = self.dindex.hide(keys)
+        for ns_key, _ in job.parts:  # the mirror holds RAM and disk: a flush empties both at once
+            self.index.lower_cleared(ns_key)
+        return job
+
+    @property
+    def draining(self) -> bool:
+        """Flushed files are left to drop (``drain``)."""
+        return bool(self.dindex.flushes)
+
+    def drain(self, n: int) -> int:
+        """One slice of a flush: at most ``n`` hidden entries leave the index, their files are
+        queued for unlinking (the I/O threads) and announced ``disk_removed``; a flush's reply
+        counts those the RAM pool did not hold. How many were freed."""
+        freed = self.dindex.drain(n)
+        holds = self.index.holds
+        for job, v in freed:
+            if not holds(v.ns_key, v.key):
+                job.only_on_disk += 1
+        self._unlink([v for _, v in freed])
+        return len(freed)
 
     def namespace_keys(self) -> list[str]:
         """Namespaces with blocks on disk (tenant SEP fingerprint), in RAM or not."""
@@ -249,10 +273,12 @@ class DiskBridge:
         self.index.lower_stored(ns_key, keys)
 
     def removed(self, entries: list) -> None:
-        """Entries that left the disk index: announced, and out of the mirror unless ready in RAM."""
+        """Entries that left the disk index: announced, and out of the mirror unless ready in RAM
+        (or on disk again: a flushed entry freed after the block was written anew)."""
         by_ns: dict = {}
         for v in entries:
-            by_ns.setdefault(v.ns_key, []).append(v.key)
+            if v.key not in (self.dindex.entries_of(v.ns_key) or ()):
+                by_ns.setdefault(v.ns_key, []).append(v.key)
         for ns_key, keys in by_ns.items():
             self.index.lower_removed(ns_key, keys)
 
@@ -266,7 +292,8 @@ class DiskBridge:
     def emptied(self, ns_keys) -> list[str]:
         """Namespaces with nothing left on disk and nothing in flight: their directories go
         once the unlinks queued with them are done (cycling namespaces leaves no directory)."""
-        return [k for k in ns_keys if not self.dindex.has_namespace(k) and not self.in_flight[k]]
+        return [k for k in ns_keys if not self.dindex.has_namespace(k) and not self.in_flight[k]
+                and not self.dindex.hiding(k)]
 
     def landed(self, key: str, n: int) -> None:
         """``n`` blocks of ``key`` written or read: a namespace with none left in flight is forgotten."""

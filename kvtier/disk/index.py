@@ -34,7 +34,10 @@ Primitives:
   over -> bool                             more to drop before ``used + reserved`` fits
   remove(entry) -> bool, touch(entry)       touch: a use (O(1); the heap catches up when it pops it)
   pop_lru(heap) -> entry | None             the least recently used entry of a heap (shares.py too)
-  drop(ns_keys=None) -> [victims]          flush: every entry of those namespaces (None: all)
+  drop(ns_keys=None) -> [victims]          every entry of those namespaces at once (None: all)
+  hide(ns_keys=None) -> DiskFlush          a flush, phase one: those namespaces' entries vanish
+                                           from every reader at once (O(namespaces))
+  drain(n) -> [(DiskFlush, victim)]        phase two: free at most n hidden entries, oldest flush first
   by_namespace() -> {ns_key: (blocks, bytes)}, check_integrity(fitted=True)
 """
 
@@ -64,6 +67,19 @@ class DiskEntry:
         return file_bytes(self.size)  # whole pages, as the filesystem allocates
 
 
+class DiskFlush:
+    """One flush's hidden namespace maps (``DiskIndex.hide``), freed by ``drain``."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts                            # [(ns key, {key: DiskEntry})], freed from the last
+        self.hidden = sum(len(h) for _, h in parts)   # entries hidden at its start
+        self.only_on_disk = 0                         # freed entries the RAM pool did not hold (the caller counts)
+
+    @property
+    def done(self) -> bool:
+        return not self.parts
+
+
 class DiskIndex:
     def __init__(self, capacity: int, share: float = 1.0, policy: str = "lru"):
         if policy not in USES_COUNT:
@@ -79,6 +95,10 @@ class DiskIndex:
         self.count = 0
         self.dropped = 0       # entries dropped to make room (the disk's evictions)
         self._heap: list = []  # (age, n, entry), stale items included
+        # Flushes in progress: their maps are out of ``namespaces`` (no reader sees them) while
+        # their entries still count in ``count``/``used`` (the files exist until unlinked).
+        self.flushes: list[DiskFlush] = []
+        self.hidden = 0        # entries in those maps
         self._n = itertools.count()
         self._newest = 0
 
@@ -92,7 +112,12 @@ class DiskIndex:
         return list(self.namespaces)
 
     def __len__(self) -> int:
-        return self.count
+        """Entries a reader can see (a flush's hidden ones not included)."""
+        return self.count - self.hidden
+
+    def hiding(self, ns_key: str) -> bool:
+        """A flush still has entries of ``ns_key`` to free (its directory is not empty yet)."""
+        return any(k == ns_key for f in self.flushes for k, _ in f.parts)
 
     # ---- space -----------------------------------------------------------------------
     @property
@@ -151,7 +176,9 @@ class DiskIndex:
     def remove(self, entry: DiskEntry) -> bool:
         entries = self.namespaces.get(entry.ns_key)
         if entries is None or entries.get(entry.key) is not entry:
-            return False  # already gone (dropped for room, flushed, replaced)
+            # Not visible: hidden by a flush (making room may take it first), or already gone
+            # (dropped for room, flushed, replaced).
+            return self._unhide(entry)
         del entries[entry.key]
         if not entries:
             del self.namespaces[entry.ns_key]
@@ -159,12 +186,28 @@ class DiskIndex:
         self.ns_bytes[entry.ns_key] -= entry.size
         if not self.ns_bytes[entry.ns_key]:
             del self.ns_bytes[entry.ns_key]
+        self._forget(entry)
+        return True
+
+    def _unhide(self, entry: DiskEntry) -> bool:
+        if entry.age < 0 or not self.hidden:
+            return False
+        for f in self.flushes:
+            for k, hidden in f.parts:
+                if k == entry.ns_key and hidden.get(entry.key) is entry:
+                    del hidden[entry.key]
+                    self.hidden -= 1
+                    self._forget(entry)
+                    return True
+        return False
+
+    def _forget(self, entry: DiskEntry) -> None:
+        """Space and order bookkeeping of an entry leaving the index (visible or hidden)."""
         self.count -= 1
         self.used -= entry.file_bytes
         self.shares.removed(entry)
         entry.age = -1  # its heap item is stale now
         self._compact()
-        return True
 
     def touch(self, entry: DiskEntry) -> None:
         """A use: O(1) (a lookup touches every disk block it counts); the heap catches up in pop_lru.
@@ -188,11 +231,45 @@ class DiskIndex:
         return None
 
     def drop(self, ns_keys=None) -> list[DiskEntry]:
-        keys = list(self.namespaces) if ns_keys is None else [k for k in ns_keys if k in self.namespaces]
-        victims = [e for k in keys for e in list(self.namespaces[k].values())]
-        for e in victims:
-            self.remove(e)
-        return victims
+        """Every entry of these namespaces, at once (O(entries)): the daemon flushes with hide/drain."""
+        job = self.hide(ns_keys)
+        return [e for _, e in self.drain(job.hidden)]
+
+    def hide(self, ns_keys=None) -> DiskFlush:
+        """A flush, phase one: the namespaces' maps leave ``namespaces`` (an O(1) move each), so
+        no lookup, load, mirror or write-behind check sees any of their entries from now on and
+        no chain is ever seen half removed; a write landing later starts a fresh map."""
+        keys = list(self.namespaces) if ns_keys is None else [k for k in dict.fromkeys(ns_keys) if k in self.namespaces]
+        parts = []
+        for k in keys:
+            parts.append((k, self.namespaces.pop(k)))
+            del self.ns_newest[k]
+            del self.ns_bytes[k]
+        job = DiskFlush(parts)
+        self.hidden += job.hidden
+        if parts:
+            self.flushes.append(job)
+        return job
+
+    def drain(self, n: int) -> list[tuple[DiskFlush, DiskEntry]]:
+        """Phase two: free at most ``n`` hidden entries (oldest flush first, ``popitem``: no
+        snapshot of a million entries); the caller unlinks their files."""
+        out = []
+        while self.flushes and n > 0:
+            job = self.flushes[0]
+            while job.parts and n > 0:
+                _, hidden = job.parts[-1]
+                for _ in range(min(n, len(hidden))):
+                    e = hidden.popitem()[1]
+                    self.hidden -= 1
+                    self._forget(e)
+                    out.append((job, e))
+                    n -= 1
+                if not hidden:
+                    job.parts.pop()
+            if job.done:
+                self.flushes.pop(0)
+        return out
 
     def _push(self, entry: DiskEntry, age: int) -> None:
         entry.age = entry.used = age
@@ -216,13 +293,18 @@ class DiskIndex:
 
     def check_integrity(self, fitted: bool = True) -> None:
         flat = [e for v in self.namespaces.values() for e in v.values()]
+        hidden = [e for f in self.flushes for _, h in f.parts for e in h.values()]
+        flat_bytes = {k: sum(e.size for e in v.values()) for k, v in self.namespaces.items()}
         live = [item[2] for item in self._heap if item[2].age == item[0]]
         problems = []
+        if len(hidden) != self.hidden or any(f.done for f in self.flushes):
+            problems.append(f"hidden {self.hidden} != {len(hidden)} entries in flushes' maps")
+        flat += hidden
         if len(flat) != self.count or sorted(map(id, live)) != sorted(map(id, flat)):
             problems.append("namespace maps and age heap disagree")
         if sum(e.file_bytes for e in flat) != self.used:
             problems.append(f"used {self.used} != sum of entries")
-        if {k: sum(e.size for e in v.values()) for k, v in self.namespaces.items()} != dict(self.ns_bytes):
+        if flat_bytes != dict(self.ns_bytes):
             problems.append("per-namespace bytes are wrong")
         if fitted and self.used + self.reserved > self.capacity:
             problems.append(f"used {self.used} + reserved {self.reserved} > capacity {self.capacity}")

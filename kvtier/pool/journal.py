@@ -25,7 +25,7 @@ random tag that each block record repeats: a slot rewritten for another
 namespace never adopts the old namespace's records.
 
 Per-tenant cap. The records and namespace slots are one table for every
-tenant: one tenant storing many small blocks (4,096 of 256 B fill a 64 MiB
+tenant: one tenant storing many small blocks (16,384 of 256 B fill a 64 MiB
 pool's journal) left nothing for the others' blocks. With ``cap_tenants(share)``
 a tenant (the owner in the namespace key) holds at most ``share`` of the
 records and of the namespace slots; past that its blocks are served but not
@@ -59,7 +59,11 @@ HEADER_BYTES = 4096
 NS_SLOTS = 1024
 NS_SLOT_BYTES = 2048
 RECORD_BYTES = 64
-BYTES_PER_RECORD = 16 * 2**10  # one record per 16 KiB of pool: smaller blocks may find the journal full
+# One record per 4 KiB of pool, so a pool of 4 KiB blocks is kept whole (at 16 KiB a warm restart
+# kept 524,288 of 2,097,152 such blocks: docs/SCALE.md): 1.6% of the pool in /dev/shm. Blocks
+# under 4 KiB may find it full (served, not kept: ``full``). A journal made by an earlier daemon
+# is read with the record count its header gives.
+BYTES_PER_RECORD = 4 * 2**10
 MIN_RECORDS = 4096
 
 _HEAD = struct.Struct("<8sII")                # magic, version, crc of the fields below
@@ -75,7 +79,11 @@ def record_count(pool_size: int) -> int:
 
 
 def journal_bytes(pool_size: int) -> int:
-    return HEADER_BYTES + NS_SLOTS * NS_SLOT_BYTES + record_count(pool_size) * RECORD_BYTES
+    return _bytes_for(record_count(pool_size))
+
+
+def _bytes_for(records: int) -> int:
+    return HEADER_BYTES + NS_SLOTS * NS_SLOT_BYTES + records * RECORD_BYTES
 
 
 @dataclass
@@ -91,11 +99,14 @@ class Kept:
 
 
 class Journal:
-    def __init__(self, buf: memoryview, pool_size: int, slab_size: int, created: float):
+    def __init__(self, buf: memoryview, pool_size: int, slab_size: int, created: float,
+                 records: int | None = None):
         self.buf, self.pool_size, self.slab_size, self.created = buf, pool_size, slab_size, created
-        self.records = record_count(pool_size)
+        self.records = records if records is not None else record_count(pool_size)
         self._rec_base = HEADER_BYTES + NS_SLOTS * NS_SLOT_BYTES
-        self._free = list(range(self.records - 1, -1, -1))  # record slots, lowest on top
+        # Free record slots: every one from ``_fresh`` on was never used, the rest freed ones
+        # (a list of all 2M slots of an 8 GiB pool took ~70 MB of daemon heap).
+        self._fresh, self._reuse = 0, []
         self._rec_of: dict[int, int] = {}                   # pool offset -> record slot
         self._ns: dict[str, list] = {}                      # ns key -> [slot, tag, block bytes, records]
         self._free_ns = list(range(NS_SLOTS - 1, -1, -1))
@@ -136,9 +147,9 @@ class Journal:
             return None, f"pool_size changed ({k_pool} -> {pool_size} bytes)"
         if k_slab != slab_size:
             return None, f"slab_size changed ({k_slab} -> {slab_size} bytes)"
-        if records != record_count(pool_size) or slots != NS_SLOTS or len(buf) != journal_bytes(pool_size):
+        if records < MIN_RECORDS or slots != NS_SLOTS or len(buf) != _bytes_for(records):
             return None, "the journal's geometry does not match this daemon's"
-        return cls(buf, pool_size, slab_size, created), ""
+        return cls(buf, pool_size, slab_size, created, records), ""
 
     # ---- adoption ------------------------------------------------------------------
     def scan(self) -> tuple[list[Kept], int]:
@@ -169,7 +180,8 @@ class Journal:
         for rec in self._used_records():
             if rec not in live:
                 self._clear(rec)
-        self._free = [r for r in range(self.records - 1, -1, -1) if r not in live]
+        self._fresh = max(live) + 1 if live else 0
+        self._reuse = [r for r in range(self._fresh - 1, -1, -1) if r not in live]  # lowest on top
         slots = {}
         for slot in range(NS_SLOTS):
             got = self._read_ns(slot)
@@ -204,14 +216,17 @@ class Journal:
             return False
         owner = owner_of(ns_key)
         ns = None
-        if self._free and self._owner_records.get(owner, 0) < self.tenant_records:
+        if (self._reuse or self._fresh < self.records) and self._owner_records.get(owner, 0) < self.tenant_records:
             ns = self._ns.get(ns_key)  # a new slot only for a record that will be written
             if ns is None and self._owner_slots.get(owner, 0) < self.tenant_slots:
                 ns = self._new_ns(ns_key, block_bytes)
         if ns is None or ns[2] != block_bytes:
             self.full += 1
             return False
-        rec = self._free.pop()
+        if self._reuse:
+            rec = self._reuse.pop()
+        else:
+            rec, self._fresh = self._fresh, self._fresh + 1
         pos = self._rec_base + rec * RECORD_BYTES
         body = _REC.pack(0, ns[0], self._gen, offset, block_bytes, crc, key, ns[1])[4:]
         self.buf[pos + 4:pos + RECORD_BYTES] = body
@@ -227,7 +242,7 @@ class Journal:
         if rec is None:
             return
         self._clear(rec)
-        self._free.append(rec)
+        self._reuse.append(rec)
         ns = self._ns.get(ns_key)
         if ns is not None:
             ns[3] -= 1

@@ -58,6 +58,11 @@ LANES = np.arange(BUCKET, dtype=np.int64)[None, :]
 MAX_PROBE = 8           # buckets probed at most: longer means the table is hostile or full
 MAX_LOAD = 0.5          # ready keys per slot before the table counts as overflowed
 READ_RETRIES = 64       # seqlock retries before a reader gives up (asks the daemon)
+# Writes of at most this many hashes go key by key in plain Python over memoryviews: a
+# store's commit or an eviction pass changes a few dozen keys, and numpy's per-call
+# overhead made such a write ~150-270 us (the mirror slowed stores 1.5-1.9x on the
+# public trace, BENCHMARKS 20.1); larger ones (a table's first fill) stay vectorized.
+SMALL_WRITE = 64
 PREFIX = "kvtier-ix."
 _ROW = np.dtype((np.void, 16))  # a digest as one opaque value
 X86 = ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
@@ -195,6 +200,17 @@ class ShmIndexWriter:
         self.t.header[MAGIC_W] = MAGIC  # last: a reader seeing the magic sees a whole table
         self.name = name
 
+    small = SMALL_WRITE  # writes of at most this many hashes go key by key
+    _mm = None           # the scalar views, made at the first small write (``_bind``)
+
+    def _bind(self) -> None:
+        """Scalar views of the table's memory for small writes (``_add_few``, ``_remove_few``)."""
+        cap = self.t.capacity
+        self._mm, self._nb = self.segment._mmap, cap // BUCKET
+        self._k0_at, self._st_at = HEADER_WORDS * 8, HEADER_WORDS * 8 + 16 * cap
+        self._hw, self._k0, self._k1, self._st = (memoryview(a).cast("B").cast(c) for a, c in (
+            (self.t.header, "Q"), (self.t.k0, "Q"), (self.t.k1, "Q"), (self.t.state, "B")))
+
     @property
     def overflowed(self) -> bool:
         return bool(int(self.t.header[FLAGS_W]) & OVERFLOW)
@@ -204,6 +220,10 @@ class ShmIndexWriter:
         h = _hashes(hashes)
         if not len(h) or self.overflowed:
             return
+        if len(h) <= self.small:
+            if self._mm is None:
+                self._bind()
+            return self._add_few(h.tolist())
         t = self.t
         with _Write(t.header):
             h = h[t.find(h[:, 0], h[:, 1]) < 0]
@@ -222,6 +242,10 @@ class ShmIndexWriter:
         h = _hashes(hashes)
         if not len(h) or self.overflowed:
             return
+        if len(h) <= self.small:
+            if self._mm is None:
+                self._bind()
+            return self._remove_few(h.tolist())
         t = self.t
         with _Write(t.header):
             slots = np.unique(t.find(h[:, 0], h[:, 1]))
@@ -239,6 +263,84 @@ class ShmIndexWriter:
             t.k0[:] = 0
             t.header[COUNT_W] = t.header[TOMB_W] = 0
             t.header[FLAGS_W] = self.ask
+
+    # ---- small writes, key by key (the same table, the same rules as the vectorized path) ----
+    def _find1(self, h0: int, h1: int, needle: bytes) -> int:
+        """Slot of one hash or -1: its home bucket, then on while buckets are full (``find``).
+        ``mmap.find`` scans a bucket's 64 bytes of first halves in C (``needle``: h0's bytes)."""
+        mm, k1, st, k0_at, st_at, nb = self._mm, self._k1, self._st, self._k0_at, self._st_at, self._nb
+        b = h0 & (nb - 1)
+        for _ in range(MAX_PROBE):
+            lo = k0_at + b * BUCKET * 8
+            hi = lo + BUCKET * 8
+            i = mm.find(needle, lo, hi)
+            while i >= 0:  # a match at an unaligned offset spans two slots: not this hash
+                if not (i - k0_at) & 7:
+                    s = (i - k0_at) >> 3
+                    if st[s] == READY and k1[s] == h1:
+                        return s
+                i = mm.find(needle, i + 1, hi)
+            if mm.find(b"\x00", st_at + b * BUCKET, st_at + b * BUCKET + BUCKET) >= 0:
+                return -1  # a bucket with an empty slot ends the probe
+            b = (b + 1) % nb
+        return -1
+
+    def _free1(self, b: int) -> int:
+        """First slot of bucket ``b`` that is not READY (empty or a tombstone), or -1."""
+        lo = self._st_at + b * BUCKET
+        e, t = self._mm.find(b"\x00", lo, lo + BUCKET), self._mm.find(b"\x02", lo, lo + BUCKET)
+        first = t if e < 0 else e if t < 0 else min(e, t)
+        return first - self._st_at if first >= 0 else -1
+
+    def _unbind(self) -> None:
+        if self._mm is not None:  # the views hold the mapping: released before it is unmapped
+            for v in (self._hw, self._k0, self._k1, self._st):
+                v.release()
+            self._mm = None
+
+    def _add_few(self, pairs: list) -> None:
+        hw, k0, k1, st, nb = self._hw, self._k0, self._k1, self._st, self._nb
+        cap = self.t.capacity
+        hw[SEQ_W] += 1  # the seqlock, odd while the table changes (as _Write)
+        try:
+            for h0, h1 in pairs:
+                needle = h0.to_bytes(8, "little")
+                if self._find1(h0, h1, needle) >= 0:  # present (or a duplicate in this batch)
+                    continue
+                if hw[COUNT_W] + 1 > MAX_LOAD * cap:
+                    hw[FLAGS_W] |= OVERFLOW
+                    return
+                if hw[COUNT_W] + hw[TOMB_W] + 1 > 0.75 * cap:
+                    self._rehash()
+                b = h0 & (nb - 1)
+                for _ in range(MAX_PROBE):
+                    slot = self._free1(b)
+                    if slot >= 0:
+                        break
+                    b = (b + 1) % nb
+                else:  # past the probe window nobody would find it: stop serving (as _insert)
+                    hw[FLAGS_W] |= OVERFLOW
+                    return
+                if st[slot] == TOMB:
+                    hw[TOMB_W] -= 1
+                k0[slot], k1[slot], st[slot] = h0, h1, READY
+                hw[COUNT_W] += 1
+        finally:
+            hw[SEQ_W] += 1
+
+    def _remove_few(self, pairs: list) -> None:
+        hw, k0, st = self._hw, self._k0, self._st
+        hw[SEQ_W] += 1
+        try:
+            for h0, h1 in pairs:
+                s = self._find1(h0, h1, h0.to_bytes(8, "little"))
+                if s >= 0:
+                    st[s] = TOMB
+                    k0[s] = 0  # a removed slot never matches a hash's first 8 bytes
+                    hw[COUNT_W] -= 1
+                    hw[TOMB_W] += 1
+        finally:
+            hw[SEQ_W] += 1
 
     def _insert(self, h: np.ndarray) -> None:
         """Each hash into the first free slot of its home bucket or a later one.
@@ -280,6 +382,7 @@ class ShmIndexWriter:
 
     def close(self) -> None:
         """Unmap and unlink; readers keep their mappings until they close."""
+        self._unbind()
         self.t.close()
         self.segment.release(unlink=True)
 

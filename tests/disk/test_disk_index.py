@@ -63,22 +63,40 @@ def test_the_oldest_go_first_and_the_newer_copy_of_a_block_stays():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "reserve", "drop", "touch"]), st.integers(0, 20),
-                          st.integers(0, 3)), max_size=80))
+@given(st.lists(st.tuples(st.sampled_from(["add", "reserve", "drop", "touch", "hide", "drain"]),
+                          st.integers(0, 20), st.integers(0, 3)), max_size=80))
 def test_random_operations_keep_the_index_within_capacity(ops):
+    """Flushes in progress included: hidden entries are seen by no reader, still count
+    for space until drained, and making room may take them first."""
     idx = DiskIndex(capacity=6 * file_bytes(100))
-    seq, held = 0, 0
+    seq, held, hidden, freed = 0, 0, set(), set()
     for op, k, ns in ops:
         seq += 1
         if op == "add":
             idx.add(entry(f"ns{ns}", k, seq))
-        elif op == "reserve" and idx.reserve(file_bytes(100)) is not None:
-            held += file_bytes(100)
+        elif op == "reserve":
+            victims = idx.reserve(file_bytes(100))
+            if victims is not None:
+                held += file_bytes(100)
+                freed |= set(victims)
         elif op == "drop":
             idx.drop([f"ns{ns}"])
         elif op == "touch" and idx.entries_of(f"ns{ns}"):
             idx.touch(next(iter(idx.entries_of(f"ns{ns}").values())))
+        elif op == "hide":
+            job = idx.hide([f"ns{ns}"])
+            hidden |= {e for _, h in job.parts for e in h.values()}
+            assert idx.entries_of(f"ns{ns}") is None and not idx.has_namespace(f"ns{ns}")
+        elif op == "drain":
+            out = idx.drain(k % 5 + 1)
+            assert len(out) <= k % 5 + 1 and {e for _, e in out} <= hidden - freed
+            freed |= {e for _, e in out}
+        visible = {e for v in idx.namespaces.values() for e in v.values()}
+        assert not visible & hidden and len(idx) == len(visible)
         idx.check_integrity()
+    while idx.flushes:  # every hidden entry is freed exactly once, by a drain or for room
+        freed |= {e for _, e in idx.drain(3)}
+    assert hidden <= freed and idx.hidden == 0
     idx.release(held)
     idx.check_integrity()
 

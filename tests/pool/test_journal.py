@@ -168,3 +168,32 @@ def test_a_foreign_newer_or_damaged_header_is_never_read(field, value, why):
     buf[field:field + len(value)] = value
     j, reason = Journal.open(buf, POOL, SLAB)
     assert j is None and why in reason
+
+
+def test_a_pool_of_4_kib_blocks_is_kept_whole_and_an_earlier_journal_still_opens(monkeypatch):
+    """One record per 4 KiB of pool: every block of a full pool of 4 KiB blocks gets one
+    (at 16 KiB a warm restart kept a quarter of them). Freed records are reused first and
+    the never-used ones stay untouched. A journal an earlier daemon made with one record
+    per 16 KiB is read with the count its header gives, so an upgrade restarts warm."""
+    buf, j = fresh()
+    n = POOL // 4096
+    assert j.records == n
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    assert all(j.commit(A, 4096, k, i * 4096, i) for i, k in enumerate(keys))
+    assert not j.commit(A, 4096, os.urandom(16), POOL, 0) and j.full == 1  # no record left
+    j.remove(5 * 4096, A)
+    assert j.commit(A, 4096, os.urandom(16), 5 * 4096, 7)  # the freed record again
+    kept, rejected = reopen(buf)
+    assert (len(kept), rejected) == (n, 0)
+
+    monkeypatch.setattr(jn, "BYTES_PER_RECORD", 16 * 1024)  # the earlier daemon's geometry
+    old = memoryview(bytearray(journal_bytes(POOL)))
+    j = Journal.create(old, POOL, SLAB)
+    assert j.commit(B, 16384, keys[0], 0, 1)
+    monkeypatch.undo()
+    again, why = Journal.open(old, POOL, SLAB)
+    assert why == "" and again.records == POOL // 16384
+    kept, _ = again.scan()
+    again.keep(kept)
+    assert [k.key for k in kept] == [keys[0]] and again.commit(B, 16384, keys[1], 16384, 2)
+    assert Journal.open(old[:-64], POOL, SLAB)[1] == "the journal's geometry does not match this daemon's"
