@@ -58,7 +58,7 @@ class DaemonConfig:
     inline_copy_bytes: int = 512 * 2**10  # copies up to this size run on the loop thread
     copy_chunk_bytes: int = 16 * 2**20    # a cancelled copy stops within one chunk
     drain_timeout_s: float = 30.0   # SIGTERM: copies still running after this are cancelled
-    lookup_index: bool = False      # mirror RAM+disk hashes in shm: clients look up without a round trip
+    lookup_index: bool = True       # mirror RAM+disk hashes in shm: clients look up without a round trip
     lookup_index_share: float = 0.0625  # /dev/shm the mirrors may take together, as a share of pool_size
     swap_quota: int | None = None   # swap bytes per registered cache (default and cap); None ("") = no cap, 0 = no swap
     swap_max: float = 0.5           # fraction of the pool usable for swap

@@ -11,8 +11,9 @@ The pool is 64 MiB of 4 MiB slabs with ``tenant_share = 0.5``:
   big          one cache of 2 MiB + 256 B blocks: 15 of them stored (a slab each).
   swap         stores its share (512 blocks of 64 KiB), then offloads as many
                bytes of swap (one request of 512 blocks).
-  tiny         4,096 blocks of 256 B (1 MiB): every journal record a 64 MiB pool has.
-  tiny-read    looks those 4,096 hashes up (after a restart).
+  tiny         16,384 blocks of 256 B (4 MiB): every journal record a 64 MiB pool has
+               (one per 4 KiB of pool).
+  tiny-read    looks those 16,384 hashes up (after a restart).
   small        16 blocks of 16 KiB (tests.helpers' cache); small-read looks them up.
 """
 
@@ -30,7 +31,7 @@ from kvtier.client import Client, Namespace, ShmKVCache  # noqa: E402
 from tests.daemon.tenant_worker import become, digest  # noqa: E402
 from tests.helpers import NS, make_kv  # noqa: E402
 
-VICTIM_BLOCKS, SWAP_BLOCKS, TINY_BLOCKS, SMALL_BLOCKS = 256, 512, 4096, 16
+VICTIM_BLOCKS, SWAP_BLOCKS, TINY_BLOCKS, SMALL_BLOCKS = 256, 512, 16384, 16
 VICTIM_SHAPE = (VICTIM_BLOCKS, 2, 16, 8, 128)  # one layer, float16: 64 KiB a block
 
 

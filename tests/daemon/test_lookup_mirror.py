@@ -68,13 +68,13 @@ def test_a_client_that_cannot_map_the_mirror_asks_the_daemon(daemon_factory):
     kv.close()
 
 
-def test_mirrors_are_off_by_default_and_gone_with_the_daemon(daemon_factory):
-    d = daemon_factory()
+def test_mirrors_are_on_by_default_off_when_asked_and_gone_with_the_daemon(daemon_factory):
+    d = daemon_factory(env={"KVTIER_LOOKUP_INDEX": "false"})
     kv = make_kv()
     with d.client(name="engine") as c:
         c.register_kv_cache(kv, [0] * 4, NS)
         assert c.registration.index == "" and c._mirror is None
-    d2 = daemon_factory(env=MIRROR)
+    d2 = daemon_factory()  # the default
     with d2.client(name="engine") as c:
         c.register_kv_cache(kv, [0] * 4, NS)
         path = "/dev/shm/" + c.registration.index.lstrip("/")

@@ -106,10 +106,11 @@ def test_swap_counts_against_the_tenants_share(victim_daemon):
 
 
 def test_the_warm_restart_journal_keeps_the_victims_blocks(tmp_path, shared_socket):
-    """Row 3: 4,096 blocks of 256 B (1 MiB, one slab) used to take every record
-    of the journal, so the victim's 16 blocks were not kept: after SIGTERM the
-    attacker hit 4,096/4,096, the victim 0/16. A tenant now holds at most its
-    share of the records (2,048): the victim's blocks come back."""
+    """Row 3: blocks of 256 B as many as the journal has records (4,096 when it had
+    one per 16 KiB of pool, 16,384 now: 4 MiB, one slab) used to take every record,
+    so the victim's 16 blocks were not kept: after SIGTERM the attacker hit all of its
+    blocks, the victim 0/16. A tenant now holds at most its share of the records
+    (half): the victim's blocks come back."""
     names = warm_names(DaemonConfig(socket=shared_socket))
     warm = {"KVTIER_WARM_RESTART": "1"}
     try:
@@ -132,4 +133,4 @@ def test_the_warm_restart_journal_keeps_the_victims_blocks(tmp_path, shared_sock
           f"victim {victim_hits}/{SMALL_BLOCKS}, attacker {attacker_hits}/{TINY_BLOCKS}")
     assert w["start"] == "warm" and kept["not_kept"] == TINY_BLOCKS // 2
     assert victim_hits == SMALL_BLOCKS
-    assert attacker_hits == TINY_BLOCKS // 2  # its share of the 4,096 records
+    assert attacker_hits == TINY_BLOCKS // 2  # its share of the 16,384 records
