@@ -215,7 +215,7 @@ class DiskIndex:
         if entry.age >= 0 and self._uses_count:
             self._newest += 1
             entry.used = self._newest
-            self.ns_newest[entry.ns_key] = self._newest
+            self._aged(entry)
 
     def pop_lru(self, heap: list) -> DiskEntry | None:
         """Pop ``heap``'s least recently used live entry (None: nothing live left). An entry
@@ -233,7 +233,10 @@ class DiskIndex:
     def drop(self, ns_keys=None) -> list[DiskEntry]:
         """Every entry of these namespaces, at once (O(entries)): the daemon flushes with hide/drain."""
         job = self.hide(ns_keys)
-        return [e for _, e in self.drain(job.hidden)]
+        victims = self._free(job, job.hidden)
+        if job in self.flushes:
+            self.flushes.remove(job)
+        return victims
 
     def hide(self, ns_keys=None) -> DiskFlush:
         """A flush, phase one: the namespaces' maps leave ``namespaces`` (an O(1) move each), so
@@ -255,31 +258,43 @@ class DiskIndex:
         """Phase two: free at most ``n`` hidden entries (oldest flush first, ``popitem``: no
         snapshot of a million entries); the caller unlinks their files."""
         out = []
-        while self.flushes and n > 0:
+        while self.flushes and n > len(out):
             job = self.flushes[0]
-            while job.parts and n > 0:
-                _, hidden = job.parts[-1]
-                for _ in range(min(n, len(hidden))):
-                    e = hidden.popitem()[1]
-                    self.hidden -= 1
-                    self._forget(e)
-                    out.append((job, e))
-                    n -= 1
-                if not hidden:
-                    job.parts.pop()
+            out += [(job, e) for e in self._free(job, n - len(out))]
             if job.done:
                 self.flushes.pop(0)
+        return out
+
+    def _free(self, job: DiskFlush, n: int) -> list[DiskEntry]:
+        """At most ``n`` of ``job``'s hidden entries leave the index (newest part first)."""
+        out = []
+        while job.parts and n > len(out):
+            _, hidden = job.parts[-1]
+            for _ in range(min(n - len(out), len(hidden))):
+                e = hidden.popitem()[1]
+                self.hidden -= 1
+                self._forget(e)
+                out.append(e)
+            if not hidden:
+                job.parts.pop()
         return out
 
     def _push(self, entry: DiskEntry, age: int) -> None:
         entry.age = entry.used = age
         self._newest = max(self._newest, age)
-        if age > self.ns_newest.get(entry.ns_key, -1):
-            self.ns_newest[entry.ns_key] = age
+        self._aged(entry)
         item = (age, next(self._n), entry)
         heapq.heappush(self._heap, item)
         self.shares.pushed(entry, item)
         self._compact()
+
+    def _aged(self, entry: DiskEntry) -> None:
+        """The namespace's newest age, for a visible entry only (a flush's hidden entries
+        may still be used or re-keyed; their namespace is gone from the order)."""
+        if self.hidden and self.namespaces.get(entry.ns_key, {}).get(entry.key) is not entry:
+            return
+        if entry.used > self.ns_newest.get(entry.ns_key, -1):
+            self.ns_newest[entry.ns_key] = entry.used
 
     def _compact(self) -> None:
         if len(self._heap) > 2 * self.count + 64:  # amortized O(1): at least half the items go

@@ -16,27 +16,16 @@ directory follow on the I/O threads.
 from __future__ import annotations
 
 import os
-import threading
 
 from kvtier.client import Namespace
 from tests.daemon.test_disk_tier import block_files, disk_env, scanned
+from tests.daemon.test_flush_spread import CHAIN, SHAPE, SLICE_MAX, chain, flush_in_background, ids
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import make_kv
 
 X = Namespace("disk-flush-x", "float16", "flashinfer", 16)
 Y = Namespace("disk-flush-y", "float16", "flashinfer", 16)
-SHAPE = (64, 2, 16, 1, 8)  # one layer of 64 engine blocks, 512 B per block
-CHAIN = 1024
-CHAINS = 12                # 12,288 files of X to flush, more than 4,096 a turn
-SLICE_MAX = 4096
-
-
-def chain(tag: str, n: int = CHAIN) -> list[bytes]:
-    return [f"{tag}/{i}".encode().ljust(16, b".")[:16] for i in range(n)]
-
-
-def ids(n: int = CHAIN) -> list[int]:
-    return [i % SHAPE[0] for i in range(n)]
+CHAINS = 12  # 12,288 files of X to flush, more than SLICE_MAX a turn
 
 
 def test_a_flush_of_12288_disk_only_blocks_is_never_seen_half_done(daemon_factory, tmp_path):
@@ -71,13 +60,7 @@ def test_a_flush_of_12288_disk_only_blocks_is_never_seen_half_done(daemon_factor
     by_socket.register_kv_cache(dst, [0], X)
     by_socket._mirror = None
 
-    result = {}
-
-    def flush():
-        with d.client(name="operator", timeout=120) as op:
-            result["removed"] = op.flush(X)
-    t = threading.Thread(target=flush)
-    t.start()
+    t, result = flush_in_background(d, X)
     seen, rounds = set(), 0
     while t.is_alive() or rounds < 3:
         rounds += 1

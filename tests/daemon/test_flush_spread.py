@@ -39,6 +39,18 @@ def ids(n: int = CHAIN) -> list[int]:
     return [i % SHAPE[0] for i in range(n)]
 
 
+def flush_in_background(d, ns) -> tuple[threading.Thread, dict]:
+    """An operator's flush of ``ns`` on a thread of its own; ``result["removed"]`` once answered."""
+    result = {}
+
+    def flush():
+        with d.client(name="operator", timeout=120) as op:
+            result["removed"] = op.flush(ns)
+    t = threading.Thread(target=flush)
+    t.start()
+    return t, result
+
+
 def store_all(c, chains) -> None:
     for hs in chains:
         r = c.store(hs, ids(len(hs))).wait()
@@ -66,12 +78,7 @@ def test_a_flush_of_51200_blocks_runs_between_lookups_loads_and_stores(busy_daem
         reader = d.client(name="reader", timeout=60)
         reader.register_kv_cache(dst, [0], X)
 
-        result = {}
-        def flush():
-            with d.client(name="operator", timeout=120) as op:
-                result["removed"] = op.flush(X)
-        t = threading.Thread(target=flush)
-        t.start()
+        t, result = flush_in_background(d, X)
         seen, new, rounds = set(), [], 0
         while t.is_alive() or rounds < 3:
             rounds += 1
