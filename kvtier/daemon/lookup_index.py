@@ -40,7 +40,8 @@ import secrets
 
 from ..pool.index import Bucket
 from ..pool.segment import SHM_DIR
-from ..pool.shm_index import PREFIX, ShmIndexWriter, segment_name, table_bytes
+from ..pool.shm_index import PREFIX, ShmIndexWriter, segment_name
+from ..pool.shm_table import table_bytes
 
 log = logging.getLogger("kvtier.daemon")
 MAX_KEYS = 1 << 20   # per namespace (~36 MiB of table); more ready blocks: readers ask the daemon

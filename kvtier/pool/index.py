@@ -362,8 +362,7 @@ class BlockIndex:
         if self.mirror is not None:
             self.mirror.disk_removed(ns_key, keys if ns is None else [k for k in keys if k not in ns.ready_map])
 
-    def lower_cleared(self, ns_key: str) -> None:
-        """A flush hid the namespace's blocks in the tier below (and RAM's with them): the mirror empties."""
+    def lower_cleared(self, ns_key: str) -> None:  # a flush hid them below (RAM's too): the mirror empties
         if self.mirror is not None:
             self.mirror.disk_cleared(ns_key)
 
