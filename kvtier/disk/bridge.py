@@ -127,17 +127,16 @@ class DiskBridge:
         """Flushed files are left to drop (``drain``)."""
         return bool(self.dindex.flushes)
 
-    def drain(self, n: int) -> int:
+    def drain(self, n: int) -> None:
         """One slice of a flush: at most ``n`` hidden entries leave the index, their files are
         queued for unlinking (the I/O threads) and announced ``disk_removed``; a flush's reply
-        counts those the RAM pool did not hold. How many were freed."""
+        counts those the RAM pool did not hold."""
         freed = self.dindex.drain(n)
         holds = self.index.holds
         for job, v in freed:
             if not holds(v.ns_key, v.key):
                 job.only_on_disk += 1
         self._unlink([v for _, v in freed])
-        return len(freed)
 
     def namespace_keys(self) -> list[str]:
         """Namespaces with blocks on disk (tenant SEP fingerprint), in RAM or not."""

@@ -88,9 +88,8 @@ class ShmIndexWriter:
         self.t.header[FLAGS_W] = self.ask
         self.t.header[MAGIC_W] = MAGIC  # last: a reader seeing the magic sees a whole table
         self.name = name
-
-    small = SMALL_WRITE  # writes of at most this many hashes go key by key
-    _mm = None           # the scalar views, made at the first small write (``_bind``)
+        self.small = SMALL_WRITE  # writes of at most this many hashes go key by key
+        self._bind()
 
     def _bind(self) -> None:
         """Scalar views of the table's memory for small writes (``_add_few``, ``_remove_few``)."""
@@ -110,8 +109,6 @@ class ShmIndexWriter:
         if not len(h) or self.overflowed:
             return
         if len(h) <= self.small:
-            if self._mm is None:
-                self._bind()
             return self._add_few(h.tolist())
         t = self.t
         with _Write(t.header):
@@ -132,8 +129,6 @@ class ShmIndexWriter:
         if not len(h) or self.overflowed:
             return
         if len(h) <= self.small:
-            if self._mm is None:
-                self._bind()
             return self._remove_few(h.tolist())
         t = self.t
         with _Write(t.header):
@@ -182,16 +177,13 @@ class ShmIndexWriter:
         return first - self._st_at if first >= 0 else -1
 
     def _unbind(self) -> None:
-        if self._mm is not None:  # the views hold the mapping: released before it is unmapped
-            for v in (self._hw, self._k0, self._k1, self._st):
-                v.release()
-            self._mm = None
+        for v in (self._hw, self._k0, self._k1, self._st):  # they hold the mapping: released first
+            v.release()
 
     def _add_few(self, pairs: list) -> None:
         hw, k0, k1, st, nb = self._hw, self._k0, self._k1, self._st, self._nb
         cap = self.t.capacity
-        hw[SEQ_W] += 1  # the seqlock, odd while the table changes (as _Write)
-        try:
+        with _Write(self.t.header):
             for h0, h1 in pairs:
                 needle = h0.to_bytes(8, "little")
                 if self._find1(h0, h1, needle) >= 0:  # present (or a duplicate in this batch)
@@ -214,13 +206,10 @@ class ShmIndexWriter:
                     hw[TOMB_W] -= 1
                 k0[slot], k1[slot], st[slot] = h0, h1, READY
                 hw[COUNT_W] += 1
-        finally:
-            hw[SEQ_W] += 1
 
     def _remove_few(self, pairs: list) -> None:
         hw, k0, st = self._hw, self._k0, self._st
-        hw[SEQ_W] += 1
-        try:
+        with _Write(self.t.header):
             for h0, h1 in pairs:
                 s = self._find1(h0, h1, h0.to_bytes(8, "little"))
                 if s >= 0:
@@ -228,8 +217,6 @@ class ShmIndexWriter:
                     k0[s] = 0  # a removed slot never matches a hash's first 8 bytes
                     hw[COUNT_W] -= 1
                     hw[TOMB_W] += 1
-        finally:
-            hw[SEQ_W] += 1
 
     def _insert(self, h: np.ndarray) -> None:
         """Each hash into the first free slot of its home bucket or a later one.

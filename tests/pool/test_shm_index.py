@@ -93,7 +93,8 @@ def _flip(name: str, rounds: int, out) -> None:
     seg = ShmSegment(name)
     t = _Table(seg.buffer, seg.size, name)
     writer = ShmIndexWriter.__new__(ShmIndexWriter)
-    writer.t, writer.segment, writer.name = t, seg, name
+    writer.t, writer.segment, writer.name, writer.small = t, seg, name, 64
+    writer._bind()
     for i in range(rounds):
         writer.remove(w_keys[20:])
         writer.add(w_keys[20:])
