@@ -19,7 +19,8 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
                        a flush of namespaces that may be on disk only (after a restart):
                        hidden at once (lookups, loads and the mirror see none of it),
                        their files dropped ``drain(n)`` entries per loop turn
-                       (daemon/flushes.py); ``draining`` while any are left
+                       (daemon/flushes.py); ``draining`` while any are left;
+                       then ``tidy(n)`` rebuilds the age heap they left stale (``tidying``)
   namespace_keys(), oldest_first(keys), drop_namespaces(keys)
                        max_namespaces_per_user counts disk namespaces too (daemon/sessions.py)
   load(ns, pending) -> bool  the load names disk blocks the pool lacks (loads.py: read
@@ -126,6 +127,15 @@ class DiskBridge:
     def draining(self) -> bool:
         """Flushed files are left to drop (``drain``)."""
         return bool(self.dindex.flushes)
+
+    @property
+    def tidying(self) -> bool:
+        """The index's age heap is due a rebuild, or one is under way (``tidy``)."""
+        return self.dindex.tidying
+
+    def tidy(self, n: int) -> None:
+        """One slice of that rebuild: at most ``n`` heap items (``DiskIndex.tidy``)."""
+        self.dindex.tidy(n)
 
     def drain(self, n: int) -> None:
         """One slice of a flush: at most ``n`` hidden entries leave the index, their files are
@@ -367,6 +377,8 @@ class DiskBridge:
                "capacity_bytes": self.dindex.capacity,
                "used_bytes": self.dindex.used, "reserved_bytes": self.dindex.reserved,
                "blocks": len(self.dindex), "dropped": self.dindex.dropped, "queued_bytes": self.queued,
+               # the age heap's items, stale ones included (rebuilt a slice per turn past 2x blocks)
+               "heap_items": self.dindex.heap_items, "heap_rebuilding": self.dindex.tidying,
                "queue_bytes": self.queue_bytes, "scanning": self.scanning, "fitting": self.fit_pending,
                "scan_s": round(self.scan_s, 3),
                "loads_waiting": len(self.loads.by_request), "reads_in_flight": len(self.loads.waiting_for), "namespaces": rows,

@@ -77,12 +77,17 @@ def test_a_flush_of_12288_disk_only_blocks_is_never_seen_half_done(daemon_factor
     assert s["disk"]["blocks"] == CHAIN * len(ys)
     assert s["flushes"]["turns"] >= CHAIN * CHAINS // SLICE_MAX
     assert (s["flushes"]["pending"], s["flushes"]["disk_hidden"]) == (0, 0)
+    # The disk's age heap held an item per flushed file: it is rebuilt without them, a slice
+    # per turn as the flush's files are, with no request needed to start it.
+    assert wait_for(lambda: not d.stats()["disk"]["heap_rebuilding"], 30)
+    s = d.stats()
+    assert s["disk"]["heap_items"] == CHAIN * len(ys)
     # The files go on the I/O threads, then X's directory.
     assert wait_for(lambda: len(block_files(root)) == CHAIN * len(ys), 60)
     assert wait_for(lambda: len(os.listdir(root)) == 2, 10), os.listdir(root)  # Y's directory and tmp/
     for c in (reader, other, by_socket):
         c.close()
-    print(f"\ndisk-only flush of {CHAIN * CHAINS} files: {s['flushes']['turns']} loop turns, longest "
+    print(f"\ndisk-only flush of {CHAIN * CHAINS} files and its age heap's rebuild: {s['flushes']['turns']} loop turns, longest "
           f"{s['flushes']['longest_turn_cpu_ms']} ms CPU, {rounds} rounds of lookups meanwhile saw {sorted(seen)}")
     src.close()
     dst.close()

@@ -7,13 +7,13 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from kvtier.disk.format import (FORMAT_VERSION, HEADER_BYTES, block_name, decode_header, encode_header,
                                 file_bytes, parse_name)
 from kvtier.disk.index import DiskEntry, DiskIndex
-from kvtier.pool.keys import ns_key
+from kvtier.pool.keys import SEP, ns_key
 
 KEY = bytes(range(16))
 NS_KEY = ns_key("uid0", "model|fp16")
@@ -163,3 +163,81 @@ def test_under_fifo_the_disk_drops_files_in_write_order_whatever_was_used():
 def test_a_policy_the_disk_cannot_follow_is_refused_when_the_index_is_built(policy):
     with pytest.raises(ValueError, match="disk order follows policy"):
         DiskIndex(capacity=file_bytes(100), policy=policy)
+
+
+def ident(entries) -> list:
+    return [(e.ns_key, e.key, e.seq) for e in entries]
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["write", "write", "touch", "hide", "drain", "tidy", "tidy"]),
+                          st.integers(0, 30), st.integers(0, 3)), min_size=30, max_size=150),
+       st.sampled_from([1.0, 0.5]), st.sampled_from([0, 4096]))
+def test_a_heap_rebuilt_a_slice_at_a_time_drops_what_an_unrebuilt_one_drops(ops, share, direct_max):
+    """The age heap is rebuilt a few items per call (``tidy``) while files are written,
+    used, flushed and dropped for room, by two tenants with or without shares: every
+    victim, and its order, is the one an index that never rebuilt its heap picks."""
+    sliced, whole = (DiskIndex(capacity=8 * file_bytes(100), share=share) for _ in range(2))
+    sliced.slack = 0  # rebuilds due at a few stale items, not 64: often, on a small index
+    sliced.direct_max = direct_max  # 0: every rebuild goes through the old heap in slices
+    rebuilds = 0
+    seq = 0
+    for op, k, ns in ops:
+        seq += 1
+        tenant, name = ("alice", "bob")[ns % 2], f"{('alice', 'bob')[ns % 2]}{SEP}m{ns}"
+        picked = []
+        for idx in (sliced, whole):
+            if op == "write":
+                victims = idx.reserve(file_bytes(100), None, tenant)
+                if victims is not None:
+                    victims += idx.add(entry(name, k, seq))
+                    idx.release(file_bytes(100), tenant)
+                picked.append(None if victims is None else ident(victims))
+            elif op == "touch" and idx.entries_of(name):
+                idx.touch(idx.entries_of(name)[sorted(idx.entries_of(name))[k % len(idx.entries_of(name))]])
+            elif op == "hide":
+                idx.hide([name])
+            elif op == "drain":
+                picked.append(ident(e for _, e in idx.drain(k % 7 + 1)))
+            elif op == "tidy" and idx is sliced:
+                rebuilds += not idx._old and not idx._dead and idx.tidying
+                idx.tidy(k % 5 + 1)
+            idx.check_integrity()
+        assert picked[:1] == picked[1:]
+    assert sorted(ident(e for v in sliced.namespaces.values() for e in v.values())) == \
+        sorted(ident(e for v in whole.namespaces.values() for e in v.values()))
+    event(f"rebuilds begun: {min(rebuilds, 3)}+")
+
+
+@pytest.mark.parametrize("kept", [1, 6000])  # few live entries (a heap of them made at once), or many
+def test_the_stale_items_a_flush_leaves_go_a_bounded_slice_per_call(kept):
+    """A flush of 20,000 files leaves their items in the age heap, stale: the rebuild
+    after it goes a bounded number of items per call, never the whole heap in one
+    (10^6 items took ~0.5 s so), and the heap ends holding the live entries only,
+    which still go oldest first."""
+    idx = DiskIndex(capacity=10**6 * file_bytes(100))
+    n = 20_000
+    for k in range(n):
+        idx.add(DiskEntry("a", k.to_bytes(16, "little"), k, 100, 0, f"/a/{k}"))
+    for k in range(kept):
+        idx.add(DiskEntry("b", k.to_bytes(16, "little"), n + k, 100, 0, f"/b/{k}"))
+    idx.hide(["a"])
+    assert not idx.tidying  # nothing to rebuild while the flush holds its entries
+    while idx.flushes:
+        idx.drain(4096)
+    assert idx.tidying and idx.heap_items == n + kept
+
+    def held():  # heap items, stale or not, and those of replaced heaps not freed yet
+        return idx.heap_items + sum(map(len, idx._dead))
+    calls = 0
+    while idx.tidying:
+        before = held()
+        idx.tidy(256)
+        assert before - held() <= 256
+        calls += 1
+        idx.check_integrity()
+    assert calls >= n // 256 and held() == idx.heap_items == kept
+    drop = min(3, kept)
+    idx.capacity = (kept - drop) * file_bytes(100)
+    assert ident(idx.shrink()) == ident(DiskEntry("b", k.to_bytes(16, "little"), n + k, 100, 0, "")
+                                        for k in range(drop))

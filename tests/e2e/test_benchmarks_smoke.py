@@ -171,3 +171,14 @@ def test_bench_shares_times_every_case_and_the_at_share_case_evicts_only_its_own
     flood = cases["flood, on (0.5, at share)"]
     assert flood["evictions"] == flood["own_evictions"] > 0  # the idle tenant lost nothing
     assert cases["two tenants, on (0.75)"]["own_evictions"] == 0  # below its share: global LRU
+
+
+def test_bench_disk_index_times_the_flush_and_the_rebuild_after_it_for_both_trees():
+    """Against this very tree as the baseline: the before rows must parse too."""
+    out = script("bench_disk_index.py", "--files", "3000", "--rounds", "1", "--baseline-tree", REPO)
+    lines = [ln for ln in out.splitlines() if ln.startswith("round 1")]
+    assert len(lines) == 4  # kept 1 and kept 1,500, each for both trees
+    for ln in lines:
+        fields = dict(f.rsplit(" ", 1) for f in ln.split(": ", 1)[1].split(", "))
+        assert float(fields["write_ms"]) >= 0 and float(fields["tidy_batch_ms"]) >= 0
+        assert int(fields["heap_after"]) == (1 if "kept       1" in ln else 1500) + 1
