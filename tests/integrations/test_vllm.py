@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -77,10 +78,17 @@ def _engine_b_with_daemon_killed(ex, model, prompts, daemon, tmp):
             if proc.poll() is not None:
                 raise AssertionError(f"engine B exited early: {proc.stdout.read()[-3000:]}")
             threading.Event().wait(0.1)
-        status = json.loads(subprocess.run(
-            [sys.executable, "-c", "from kvtier.cli import main; raise SystemExit(main())",
-             "status", "--json", "--socket", daemon.socket],
-            capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": REPO}).stdout)
+        # B's lookups were answered by its lookup mirror: the daemon counts them once B's client
+        # reports them, ahead of its next request or on its heartbeat (1 s; README). B is idle
+        # now, so status is read again until they are in (a CI run read it first).
+        deadline = time.monotonic() + 15
+        while True:
+            status = json.loads(subprocess.run(
+                [sys.executable, "-c", "from kvtier.cli import main; raise SystemExit(main())",
+                 "status", "--json", "--socket", daemon.socket],
+                capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": REPO}).stdout)
+            if _ns(status, "bfloat16")["hits"] or time.monotonic() > deadline:
+                break
         daemon.stop(sig=signal.SIGKILL)
         (sync / "resume").touch()
         stdout, _ = proc.communicate(timeout=600)
