@@ -6,6 +6,7 @@
                                   [--engines 4] [--scenarios shared-spread,private-spread,...]
                                   [--block-bytes 16KiB] [--disk-x 10] [--no-drain] [--verify-every 8]
                                   [--lookup-index default|on|off|off,on] [--rounds 1] [--json FILE]
+                                  [--split K] [--copies N]
 
 Each request of the trace (``../shared/traces/README.md``: one id per
 prefix-chained block) goes, in trace order, to one of ``--engines`` engine
@@ -34,6 +35,16 @@ and holds the capacity rounded up to 16 (printed). Scenarios:
                    disk_size of 10x the pool's bytes would hold only 5x its 4 KiB blocks);
                    each request waits for the disk's writes to finish (``--no-drain``: not),
                    as the trace's seconds between requests would let it
+At scale: ``--split K`` makes each trace block K kvtier blocks (an engine
+whose blocks are 512/K tokens: 32 for 16-token blocks), in order, one id
+each; ``--copies N`` replays N disjoint copies of the trace at once, copy c
+rotated by c/N of its length and the copies interleaved request by request,
+each copy the traffic of its own model: its own namespace and engine
+(``--engines`` is N then, and routing is by copy). The working set is
+N x K x the trace's; the references (LRU sim, bound) are simulated on the
+unsplit trace blocks with the pool's blocks / K (a trace block's K blocks go
+and come together). The daemon's anon RSS (heap, outside the shared pool)
+is printed per block held at the end, next to its RSS before the replay.
 ``--lookup-index off,on`` runs each scenario with the daemon's lookup mirror
 off and on in turn (``--rounds`` times), so both see the same background
 load; ``default`` leaves the daemon's own default.
@@ -70,7 +81,7 @@ def key_of(block_id: int) -> bytes:
 
 # ---- an engine process ----------------------------------------------------------------
 def engine_main(index: int, sockets: list[str], block_bytes: int, max_blocks: int, verify_every: int,
-                conn) -> None:
+                conn, namespace: str = "bench-trace") -> None:
     """One engine: its own paged cache and client. Commands over ``conn``:
     ("req", ids) -> (hit, verified, bad, lookup_s, load_s, store_s); None to stop."""
     import traceback
@@ -85,7 +96,7 @@ def engine_main(index: int, sockets: list[str], block_bytes: int, max_blocks: in
         words = kv.tensors[0].view(torch.int64)  # block j of a request lives in engine block j
         client = Client(sockets[index % len(sockets)], name=f"trace-engine-{index}", timeout=60,
                         transfer_timeout=600)
-        client.register_kv_cache(kv, [0], Namespace("bench-trace", "float16", "trace", 512))
+        client.register_kv_cache(kv, [0], Namespace(namespace, "float16", "trace", 512))
         conn.send(("up", None))
         while (cmd := conn.recv()) is not None:
             ids = cmd[1]
@@ -120,7 +131,9 @@ def engine_main(index: int, sockets: list[str], block_bytes: int, max_blocks: in
 
 
 # ---- one scenario at one capacity ------------------------------------------------------
-def route(chains: list[list[int]], engines: int, sticky: bool) -> list[int]:
+def route(chains: list[list[int]], engines: int, sticky: bool, copies: int = 1) -> list[int]:
+    if copies > 1:  # interleaved copies: request i is copy i % copies, its model's engine
+        return [i % copies for i in range(len(chains))]
     if sticky:
         return [int.from_bytes(key_of(c[0])[:4], "little") % engines if c else 0 for c in chains]
     return [i % engines for i in range(len(chains))]
@@ -155,8 +168,9 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args, mirror
         ctx = mp.get_context("spawn")
         for i in range(args.engines):
             ours, theirs = ctx.Pipe()
+            ns = f"bench-trace-{i}" if args.copies > 1 else "bench-trace"  # a model per copy
             p = ctx.Process(target=engine_main, args=(i, sockets, args.block_bytes,
-                                                      max(len(c) for c in chains), args.verify_every, theirs),
+                                                      max(len(c) for c in chains), args.verify_every, theirs, ns),
                             daemon=True)
             p.start()
             engines.append(p)
@@ -166,8 +180,9 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args, mirror
         hits = verified = bad = 0
         lat = {"lookup": [], "load": [], "store": []}
         drain = Client(sockets[0], heartbeat=False, name="trace-drain") if disk_dir and args.drain else None
+        rss0 = [anon_rss(d.proc.pid) for d in daemons]
         t0 = time.perf_counter()
-        for ids, e in zip(chains, route(chains, args.engines, sticky)):
+        for ids, e in zip(chains, route(chains, args.engines, sticky, args.copies)):
             pipes[e].send(("req", ids))
             h, v, b, lk, ld, st = _answer(pipes[e])
             if drain is not None:
@@ -177,6 +192,7 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args, mirror
                 if x is not None:
                     lat[k].append(x)
         wall = time.perf_counter() - t0
+        rss1 = [anon_rss(d.proc.pid) for d in daemons]
         daemon_hits = held = 0
         disk: dict = {}
         for d in daemons:
@@ -191,7 +207,9 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args, mirror
         row = {"scenario": name, "mirror": mirror, "capacity_blocks": capacity, "daemons": len(daemons),
                "pool_blocks_each": slabs * SLAB_BLOCKS, "hit_ratio": hits / refs, "daemon_hits": daemon_hits,
                "references": refs, "verified_blocks": verified, "bad_blocks": bad, "blocks_held_at_end": held,
-               "requests_per_s": len(chains) / wall, "disk": disk, "drained": drain is not None}
+               "requests_per_s": len(chains) / wall, "disk": disk, "drained": drain is not None,
+               "rss_before_mib": sum(rss0) / 2**20, "rss_after_mib": sum(rss1) / 2**20,
+               "rss_per_block_held": (sum(rss1) - sum(rss0)) / held if held else None}
         for k, xs in lat.items():
             row[f"{k}_p50_ms"] = round(bl.pct(xs, 50) * 1e3, 3) if xs else None
             row[f"{k}_p99_ms"] = round(bl.pct(xs, 99) * 1e3, 3) if xs else None
@@ -214,6 +232,25 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args, mirror
             shutil.rmtree(disk_dir, ignore_errors=True)
 
 
+def anon_rss(pid: int) -> int:
+    """A daemon's resident memory outside the shared pool (its heap: the index, buffers)."""
+    import psutil
+    mi = psutil.Process(pid).memory_info()
+    return mi.rss - mi.shared
+
+
+def expand(chains: list[list[int]], split: int, copies: int) -> list[list[int]]:
+    """``copies`` disjoint copies of the trace interleaved (copy c rotated by c/copies of it),
+    each trace block ``split`` kvtier blocks in order."""
+    n, span = len(chains), max((b for c in chains for b in c), default=0) + 1
+    out = []
+    for i in range(n):
+        for c in range(copies):
+            ids = chains[(i + c * n // copies) % n]
+            out.append([(c * span + b) * split + j for b in ids for j in range(split)])
+    return out
+
+
 def _drained(client) -> None:
     """Wait until the disk tier has written every block stored so far. The trace's requests
     come seconds apart; the replay's come back to back, and on a busy machine the write-behind
@@ -233,10 +270,13 @@ def _answer(conn):
     return value
 
 
-def references_for(name: str, chains: list[list[int]], pool_blocks: int, engines: int, disk_x: float) -> dict:
+def references_for(name: str, chains: list[list[int]], pool_blocks: int, engines: int, disk_x: float,
+                   copies: int = 1) -> dict:
     """In-process hit ratios on exactly the sequence(s) the scenario's daemons see,
     with the blocks each daemon's pool really holds (and its disk, for ``disk``)."""
-    if not name.startswith("private"):
+    if copies > 1 and name.startswith("private"):  # a daemon per engine: one per copy
+        groups = [[c for i, c in enumerate(chains) if i % copies == e] for e in range(copies)]
+    elif not name.startswith("private"):
         groups = [chains]
     else:
         routes = route(chains, engines, name.endswith("sticky"))
@@ -265,6 +305,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-index", default="default",
                     help="the lookup mirror: default, on, off, or a list run in turn (off,on)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every scenario x mirror setting this often")
+    ap.add_argument("--split", type=int, default=1, help="kvtier blocks per trace block (32: 16-token blocks)")
+    ap.add_argument("--copies", type=int, default=1, help="disjoint copies of the trace at once, a model each")
     bl.add_json_flag(ap)
     args = ap.parse_args(argv)
     if not 0 < args.disk_x < 1e6:
@@ -279,25 +321,36 @@ def main(argv=None) -> int:
         raise SystemExit(f"--rounds must be 1-100, not {args.rounds}")
     if args.block_bytes % 256 or args.block_bytes < 256:
         raise SystemExit("--block-bytes must be a multiple of 256")
-    chains = [r["hash_ids"] for r in tracesim.load_trace(args.trace, args.requests)]
-    ws = tracesim.working_set(chains)
-    infinite = tracesim.hit_ratio("infinite", 0, chains)
+    if not 1 <= args.split <= 512 or not 1 <= args.copies <= 64:
+        raise SystemExit(f"--split must be 1-512 and --copies 1-64, not {args.split} and {args.copies}")
+    if args.copies > 1:
+        args.engines = args.copies  # an engine per copy: each copy is a model of its own
+    trace = [r["hash_ids"] for r in tracesim.load_trace(args.trace, args.requests)]
+    blocks = expand(trace, 1, args.copies)  # what the references simulate: trace blocks
+    chains = expand(trace, args.split, args.copies) if args.split > 1 or args.copies > 1 else trace
+    ws = tracesim.working_set(blocks) * args.split
+    infinite = tracesim.hit_ratio("infinite", 0, blocks)
     rows = []
     for share in (float(x) for x in args.capacities.split(",")):
         capacity = max(1, int(ws * share))
         for name, mirror in [(n, m) for _ in range(args.rounds) for n in args.scenarios.split(",") for m in mirrors]:
             row = run_scenario(name, chains, capacity, args, mirror)
-            refs = references_for(name, chains, row["pool_blocks_each"], args.engines, args.disk_x)
+            refs = references_for(name, blocks, row["pool_blocks_each"] // args.split, args.engines, args.disk_x,
+                                  args.copies)
             row.update(capacity=share, infinite=infinite, sim_lru=refs["lru"], sim_belady=refs["belady"],
                        sim_ram_disk=refs.get("ram+disk"), sim_lru_combined=refs.get("lru-combined"))
             tiers = (f", ram+disk sim {refs['ram+disk']:.3f}, one lru of both {refs['lru-combined']:.3f}"
                      if name == "disk" else "")
             rows.append(row)
+            rss = (f", daemon heap {row['rss_before_mib']:.0f} -> {row['rss_after_mib']:.0f} MiB: "
+                   f"{row['rss_per_block_held']:.0f} B/block held" if row["rss_per_block_held"] else "")
             print(f"{share:>5.0%} {name:<15} mirror {mirror:<7} hit {row['hit_ratio']:.3f} (lru sim {refs['lru']:.3f}, "
-                  f"bound {refs['belady']:.3f}, infinite {infinite:.3f}{tiers})  {row['requests_per_s']:.0f} req/s",
-                  file=sys.stderr, flush=True)
+                  f"bound {refs['belady']:.3f}, infinite {infinite:.3f}{tiers})  {row['requests_per_s']:.0f} req/s; "
+                  f"lookup p50/p99 {row['lookup_p50_ms']}/{row['lookup_p99_ms']} ms, {row['blocks_held_at_end']} "
+                  f"blocks held{rss}", file=sys.stderr, flush=True)
     report = {"trace": os.path.basename(args.trace), "requests": len(chains), "working_set_blocks": ws,
-              "engines": args.engines, "block_bytes": args.block_bytes, "rows": rows,
+              "engines": args.engines, "block_bytes": args.block_bytes, "split": args.split,
+              "copies": args.copies, "rows": rows,
               "machine": bl.machine_notes()}
     table = bl.table(
         ["capacity", "scenario", "mirror", "pool blocks", "hit ratio", "LRU sim", "bound", "RAM+disk sim", "LRU of both",

@@ -53,6 +53,31 @@ def test_the_daemon_hits_exactly_what_its_lru_order_predicts_in_every_scenario(t
     assert rows["shared-spread"]["hit_ratio"] > rows["private-spread"]["hit_ratio"]
 
 
+@pytest.mark.skipif(not os.path.exists(TRACE), reason=f"no trace at {TRACE}")
+def test_split_blocks_and_copies_of_the_trace_keep_what_the_unsplit_trace_predicts(tmp_path):
+    """At scale: each trace block as 4 kvtier blocks, two copies of the trace at once (a model
+    each: own namespace, own engine). The daemon's blocks are byte-exact, each copy's keys are
+    its own, and the hits equal the LRU order simulated on the unsplit trace blocks."""
+    import bench_trace
+
+    chains = [[1, 2], [1, 3]]
+    assert bench_trace.expand(chains, 2, 2) == [[2, 3, 4, 5], [10, 11, 14, 15], [2, 3, 6, 7], [10, 11, 12, 13]]
+    report = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_trace.py"), "--requests", "120",
+                           "--capacities", "0.2", "--scenarios", "shared-spread", "--split", "4", "--copies", "2",
+                           "--block-bytes", "4KiB", "--verify-every", "1", "--json", str(report)],
+                          capture_output=True, text=True, timeout=600, cwd=SCRIPTS,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(report.read_text())
+    (r,) = out["rows"]
+    assert (out["split"], out["copies"], out["engines"], out["requests"]) == (4, 2, 2, 240)
+    assert r["bad_blocks"] == 0 and r["verified_blocks"] > 0 and r["hit_ratio"] > 0
+    assert r["daemon_hits"] == round(r["hit_ratio"] * r["references"])
+    assert r["hit_ratio"] == pytest.approx(r["sim_lru"], abs=0.01)  # a trace block's 4 go together
+    assert r["rss_after_mib"] > 0 and r["rss_per_block_held"] is not None
+
+
 def test_every_policy_lies_between_nothing_and_the_offline_bound():
     chains = [[1, 2, 3], [1, 2, 4], [5, 6], [1, 2, 3, 7], [5, 6, 8], [9], [1, 2, 4], [5, 6]]
     refs = tracesim.references(chains)
