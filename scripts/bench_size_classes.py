@@ -73,7 +73,7 @@ class SansIO:
     def store(self, i: int, measure: bool) -> None:
         ns, n = self.engines[i]
         keys = self.fresh(n)
-        before = dict(self.idx.policy._stamp) if self.audit and measure else None
+        before = self.idx.policy.ages() if self.audit and measure else None
         t0 = time.perf_counter()
         self.idx.complete_store(self.idx.prepare_store(ns, keys))
         dt = time.perf_counter() - t0
@@ -90,7 +90,7 @@ class SansIO:
         # Evicted blocks newer than a block of the storing class that stayed: exact
         # LRU would have evicted that older block first (whole-slab eviction of
         # another class's slab throws its newer blocks away with its oldest).
-        now = self.idx.policy._stamp
+        now = self.idx.policy.ages()
         gone = [s for e, s in before.items() if e not in now]
         kept = [s for e, s in before.items() if e in now and e.ns.cls == cls]
         self.evicted += len(gone)

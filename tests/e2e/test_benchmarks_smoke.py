@@ -182,3 +182,10 @@ def test_bench_disk_index_times_the_flush_and_the_rebuild_after_it_for_both_tree
         fields = dict(f.rsplit(" ", 1) for f in ln.split(": ", 1)[1].split(", "))
         assert float(fields["write_ms"]) >= 0 and float(fields["tidy_batch_ms"]) >= 0
         assert int(fields["heap_after"]) == (1 if "kept       1" in ln else 1500) + 1
+
+
+def test_bench_lru_times_touch_insert_and_eviction_for_both_trees():
+    out = script("bench_lru.py", "--entries", "5000", "--rounds", "3", "--baseline-tree", REPO)
+    lines = out.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["before", "this"]
+    assert all("touch" in ln and "insert" in ln and "evict" in ln and "B/entry" in ln for ln in lines)

@@ -110,15 +110,15 @@ step = st.tuples(st.sampled_from(["store", "read"]), st.integers(0, 1), st.integ
 def test_eviction_keeps_lru_order_at_slab_granularity(steps):
     idx = make_index(slabs=5)
     nss = [idx.namespace("model-a", BLOCK_A), idx.namespace("model-b", BLOCK_B)]
-    stamp = idx.policy._stamp
     for op, which, tag, n in steps:
         ns = nss[which]
         keys = chain(f"{which}/{tag}", n)
         if op == "read":
             idx.lookup(ns, keys)
             continue
-        before = dict(stamp)
+        before = idx.policy.ages()
         stored(idx, ns, keys)
+        stamp = idx.policy.ages()
         gone = [e for e in before if e not in stamp]
         kept = [before[e] for e in before if e in stamp and e.ns.cls == ns.cls and e.key not in keys]
         if gone and kept:
