@@ -71,16 +71,13 @@ class Flushes:
         t0, cpu0, freed, finished = time.perf_counter(), time.thread_time(), 0, self._finished
         self._finished = []
         while (drains.busy or draining or tidying) and freed < SLICE_MAX:
-            if draining:  # a flush's files first: its reply counts those RAM did not hold
-                disk.drain(min(BATCH, SLICE_MAX - freed))
-                draining = disk.draining
-                freed += BATCH
-                if time.perf_counter() - t0 >= SLICE_S:
-                    break
-                continue
-            if not drains.busy:  # flushes freed: the disk heap without the items they left stale
-                disk.tidy(TIDY_BATCH)
-                tidying = disk.tidying
+            if draining or not drains.busy:
+                if draining:  # a flush's files first: its reply counts those RAM did not hold
+                    disk.drain(min(BATCH, SLICE_MAX - freed))
+                    draining = disk.draining
+                else:  # flushes freed: the disk heap without the items they left stale
+                    disk.tidy(TIDY_BATCH)
+                    tidying = disk.tidying
                 freed += BATCH
                 if time.perf_counter() - t0 >= SLICE_S:
                     break

@@ -21,11 +21,13 @@ entry used since its key was set goes back in keyed by that use instead of
 being dropped, so what is dropped is the least recently used. Items whose
 entry was removed or re-keyed since are skipped when popped. When the heap
 holds more stale items than live ones it is rebuilt, a slice at a time
-(``tidy``, called by the loop between requests): the old heap's items are
-popped in order and the live ones pushed into a fresh heap, which takes
-every new item meanwhile, and the least recently used entry is the older of
-the two heaps' tops. A rebuild in one call was O(heap) in one loop turn:
-~0.5 s for 10^6 items, which a flush of 10^6 files leaves stale.
+(``tidy``, called by the loop between requests): with few live entries a
+fresh heap of them is made at once and the old one freed a slice a call;
+with many, the old heap's items are read from its end down and the live
+ones pushed into a fresh heap, which takes every new item meanwhile, and the
+least recently used entry is the older of the two heaps' tops. A rebuild in
+one call was O(heap) in one loop turn: ~0.5 s for 10^6 items, which a flush
+of 10^6 files leaves stale.
 
 Primitives:
   DiskIndex(capacity, share=1.0, policy="lru")   share < 1: per tenant (shares.py), a write at it drops
