@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -78,7 +79,13 @@ def test_a_flush_of_51200_blocks_runs_between_lookups_loads_and_stores(busy_daem
         reader = d.client(name="reader", timeout=60)
         reader.register_kv_cache(dst, [0], X)
 
+        started = d.stats()["flushes"]["started"]
         t, result = flush_in_background(d, X)
+        # The operator's client connects on its own thread: a store before its Flush arrives
+        # would be part of the flush (CI once saw 51,264 removed). Stores start once it began.
+        while d.stats()["flushes"]["started"] == started:
+            assert t.is_alive() or "removed" in result, "the flush thread died before flushing"
+            time.sleep(0.001)
         seen, new, rounds = set(), [], 0
         while t.is_alive() or rounds < 3:
             rounds += 1
