@@ -9,7 +9,8 @@ chains of 1,000, then ``--rounds`` rounds of what a full pool under traffic
 does: a touch of a 1,000-entry chain it holds, an insert of 1,000 new
 entries, and the eviction of the 1,000 oldest (``candidates()``, then
 ``remove``). Loop-thread CPU (``thread_time``) per operation, mean and the
-longest, and the policy's memory per entry (RSS growth of the fill). With
+longest, and the memory per entry (RSS growth: the tree's own ``Entry``, which
+a linked order keeps its links in, and then the policy's fill). With
 ``--baseline-tree`` (a checkout of an earlier commit) the same runs there
 first, in a fresh process.
 """
@@ -28,9 +29,8 @@ import psutil
 from kvtier.pool.policy import LRUPolicy
 N = int(sys.argv[1]); R = int(sys.argv[2])
 cpu = time.thread_time
-class E:
-    __slots__ = ("k",)
-    def __init__(self, k): self.k = k
+from kvtier.pool.entry import Entry  # the tree's own: a linked order keeps its links in it
+def E(i): return Entry(None, i.to_bytes(16, "little"), 0)
 p = LRUPolicy()
 rss0 = psutil.Process().memory_info().rss
 es = [E(i) for i in range(N)]
@@ -60,7 +60,7 @@ for r in range(R):
     gone = set(map(id, victims))
     live[i:i + 1000] = [e for e in chain if id(e) not in gone]  # keep the list roughly of live entries
     live.extend(new)
-print(f"N={N} fill {fill:.2f} s, policy heap {(rss2 - rss1) / N:.0f} B/entry; per op of 1000 entries, mean / max ms CPU: " +
+print(f"N={N} fill {fill:.2f} s, entry {(rss1 - rss0) / N:.0f} + policy {(rss2 - rss1) / N:.0f} B/entry; per op of 1000 entries, mean / max ms CPU: " +
       ", ".join(f"{k} {tot[k] / R * 1e3:.3f} / {worst[k] * 1e3:.1f}" for k in tot))
 """
 

@@ -25,19 +25,42 @@ class Bucket:
     key: str                 # keys.ns_key(tenant, fingerprint)
     block_bytes: int
     cls: int
-    entries: dict = field(default_factory=dict)
-    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries only (lookups)
+    # Every entry is in exactly one of three places, so a block costs one dict slot, not two:
+    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries lookups see
+    writing: dict = field(default_factory=dict)    # key -> Entry, being written (not READY yet)
+    hidden: list = field(default_factory=list)  # ready maps a flush detached, still draining (drain.py)
     stats: Counter = field(default_factory=Counter)
     ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)
     owner: str = ""          # tenant whose share its blocks count against (keys.owner_of)
-    hidden: list = field(default_factory=list)  # ready maps a flush detached, still draining (drain.py)
+
+    def entry(self, key: bytes):
+        """The entry of ``key`` in any state (READY, being written, hidden by a flush), or None."""
+        e = self.ready_map.get(key) or self.writing.get(key)
+        if e is None and self.hidden:
+            for h in self.hidden:
+                e = h.get(key)
+                if e is not None:
+                    break
+        return e
+
+    def held(self) -> int:
+        """Entries of this namespace in any state: the slots its blocks occupy."""
+        return len(self.ready_map) + len(self.writing) + sum(map(len, self.hidden))
+
+    def all_entries(self) -> dict:
+        """key -> Entry for every entry (O(entries): checks, tests and tools only)."""
+        out = dict(self.writing)
+        for h in self.hidden:
+            out.update(h)
+        out.update(self.ready_map)
+        return out
 
     def ready_blocks(self) -> int:
         return self.ready
 
     def writing_blocks(self) -> int:
         """Entries being written (a store or a lower tier's read in flight), plus hidden ones draining."""
-        return len(self.entries) - self.ready
+        return self.held() - self.ready
 
 
 @dataclass(eq=False)

@@ -15,8 +15,8 @@ takes two phases:
     a transfer holds (pinned) goes back to the ready map instead, as a flush
     always left held blocks.
 
-While a namespace drains, its entries stay in ``Bucket.entries`` (so slots,
-offsets and dedup stay exact) and in the policy: eviction may take a hidden
+While a namespace drains, its entries stay in the hidden maps (``Bucket.hidden``:
+``Bucket.entry`` finds them, so slots, offsets and dedup stay exact) and in the policy: eviction may take a hidden
 entry first (``index._drop`` finds it in ``Bucket.hidden``); a store of a
 hidden key frees that entry at once and stores the block anew (``revive``),
 so a store after the flush lands; blocks committed after ``start`` go to the
@@ -120,11 +120,17 @@ class Drains:
     def revive(self, ns, keys: list) -> None:
         """A store names keys a flush hid: free those entries now (unless held),
         so the store writes the block anew instead of skipping it."""
-        entries, ready = ns.entries, ns.ready_map
+        ready = ns.ready_map
         for key in keys:
-            e = entries.get(key)
-            if e is not None and e.pins == 0 and key not in ready and self.unhide(e):
-                self.index._drop(e, removed=True)
+            if key in ready:
+                continue
+            for hidden in ns.hidden:
+                e = hidden.get(key)
+                if e is not None:
+                    if e.pins == 0:
+                        del hidden[key]
+                        self.index._drop(e, removed=True)
+                    break
 
     @staticmethod
     def unhide(e) -> bool:

@@ -12,10 +12,12 @@ WRITING, READY = "writing", "ready"
 
 
 class Entry:
-    __slots__ = ("ns", "key", "offset", "state", "pins")
+    # lp, ln: its neighbours in the eviction order (policy.LRUPolicy links entries; None: in none)
+    __slots__ = ("ns", "key", "offset", "state", "pins", "lp", "ln")
 
     def __init__(self, ns, key: bytes, offset: int):  # ns: its index.Bucket
         self.ns, self.key, self.offset, self.state, self.pins = ns, key, offset, WRITING, 0
+        self.lp = self.ln = None
 
 
 def is_ready(e: Entry) -> bool:

@@ -47,6 +47,7 @@ from .policy import EvictionPolicy, LRUPolicy
 from .prefix import ready_prefix
 from .keys import owner_of
 from .shares import TenantShares
+from .slots import SlotMap
 
 MAX_NAMESPACES = 4096
 NO_BATCH = nullcontext()  # evict() without a lookup mirror
@@ -65,7 +66,7 @@ class BlockIndex:
         self.policy = self.tenants.policy  # with share < 1 it also keeps each tenant's own order
         self.namespaces: dict[str, Bucket] = {}
         self._next_ns = 0
-        self.by_offset: dict[int, Entry] = {}  # prefix entries only, for slab eviction
+        self.slots = SlotMap(allocator)  # offset -> prefix entry (a list per slab), for slab eviction
         self.pinned_offsets: set[int] = set()  # offsets held outside the policy (swap)
         self.evictions = 0
         self.slab_walk_limit = reclaim.SLAB_WALK_LIMIT
@@ -129,22 +130,23 @@ class BlockIndex:
         # chain: making room must not evict them (the new blocks would be unreachable).
         if ns.hidden:  # keys a flush hid are stored anew, not skipped
             self.drains.revive(ns, keys)
-        held = [e for e in map(ns.entries.get, keys) if e is not None and e.state == READY]
+        ready, writing, hidden = ns.ready_map, ns.writing, ns.hidden
+        held = [e for e in map(ns.entry if hidden else ready.get, keys) if e is not None and e.state == READY]
         for e in held:
             e.pins += 1
         try:
-            entries = ns.entries
             todo = {}  # new key -> its first index (a key twice in one store is written once)
             for i, key in enumerate(keys):
-                if key in entries or key in todo:
+                if key in ready or key in writing or key in todo or (hidden and ns.entry(key) is not None):
                     plan.skipped.append(i)
                 else:
                     todo[key] = i
             offsets = self.alloc_for(ns, len(todo))
+            slots = self.slots
             for (key, i), offset in zip(todo.items(), offsets):
                 e = Entry(ns, key, offset)
-                entries[key] = e
-                self.by_offset[offset] = e
+                writing[key] = e
+                slots.add(offset, e)
                 plan.entries[i] = e
             # Once full, the rest of the chain cannot fit either.
             plan.no_space = list(todo.values())[len(offsets):]
@@ -161,6 +163,7 @@ class BlockIndex:
         plan.done = True
         failed = set(failed)
         committed = []
+        writing = plan.ns.writing
         for i, e in enumerate(plan.entries):
             if e is None:
                 continue
@@ -168,6 +171,7 @@ class BlockIndex:
                 self._drop(e)
             else:
                 e.state = READY
+                del writing[e.key]
                 committed.append(e)
         plan.ns.ready += len(committed)
         plan.ns.ready_map.update((e.key, e) for e in committed)
@@ -224,7 +228,7 @@ class BlockIndex:
         restart adopts namespace by namespace, then orders every block at once)."""
         wanted, seen = [], set()
         for key, offset in blocks:  # a key present already, or twice: refused before any claim
-            wanted.append(None if key in ns.entries or key in seen else (key, offset))
+            wanted.append(None if key in seen or ns.entry(key) is not None else (key, offset))
             seen.add(key)
         claimed = iter(self.alloc_.claim([(ns.cls, w[1]) for w in wanted if w is not None]))
         out = []
@@ -234,7 +238,8 @@ class BlockIndex:
                 continue
             e = Entry(ns, *w)
             e.state = READY
-            ns.entries[e.key] = ns.ready_map[e.key] = self.by_offset[e.offset] = e
+            ns.ready_map[e.key] = e
+            self.slots.add(e.offset, e)
             if enter:
                 self.policy.insert(e)
             out.append(e)
@@ -254,7 +259,7 @@ class BlockIndex:
     def holds(self, key: str, block: bytes) -> bool:
         """The namespace keyed ``key`` has an entry (READY or being written) for ``block``."""
         ns = self.namespaces.get(key)
-        return ns is not None and block in ns.entries
+        return ns is not None and ns.entry(block) is not None
 
     def ready_entry(self, ns: Bucket, key: bytes) -> Entry | None:
         """The READY entry of ``key`` that lookups see (None: absent, being written, or hidden by a flush)."""
@@ -270,12 +275,12 @@ class BlockIndex:
     def forget_empty(self, keep) -> list[Bucket]:
         """Forget namespaces with no entries that are not in ``keep`` (registrations,
         swap); returns them. Their ids are never reused; their counters go with them."""
-        gone = [k for k, ns in self.namespaces.items() if not ns.entries and ns not in keep]
+        gone = [k for k, ns in self.namespaces.items() if not ns.held() and ns not in keep]
         return [self.namespaces.pop(k) for k in gone]
 
     def discard(self, e: Entry) -> None:
         """Drop one READY entry now if unpinned (e.g. its checksum failed)."""
-        if e.state == READY and e.pins == 0 and e.ns.entries.get(e.key) is e:
+        if e.state == READY and e.pins == 0 and e.ns.entry(e.key) is e:
             self._drop(e, removed=True)
 
     def flush(self, ns: Bucket | None = None) -> int:
@@ -338,7 +343,7 @@ class BlockIndex:
     def _slab_victims(self, slab: int) -> list[Entry] | None:
         victims = []
         for off in self.alloc_.used_offsets(slab):
-            e = self.by_offset.get(off)
+            e = self.slots.get(off)
             if e is None or e.state != READY or e.pins:
                 return None  # slab holds swap, in-flight or pinned blocks
             victims.append(e)
@@ -379,11 +384,12 @@ class BlockIndex:
                 self.journal.removed(e)
             e.ns.ready -= 1
             if e.ns.ready_map.pop(e.key, None) is None:
-                self.drains.unhide(e)  # a flush hid it (and its mirror entry)
+                self.drains.unhide(e)  # a flush hid it (and its mirror entry), or its drain took it
             elif self.mirror is not None:
                 self.mirror.removed(e.ns, e.key)
-        del e.ns.entries[e.key]
-        del self.by_offset[e.offset]
+        else:
+            del e.ns.writing[e.key]
+        self.slots.pop(e.offset)
         self.alloc_.free(e.offset)  # a slab it empties is no longer its tenant's (owner_slabs)
 
     def capacity(self) -> dict:

@@ -14,12 +14,12 @@ from .entry import READY, WRITING
 
 
 def counters(index) -> dict:
-    entries = [e for n in index.namespaces.values() for e in n.entries.values()]
+    entries = [e for n in index.namespaces.values() for e in n.all_entries().values()]
     return {
         "entries": len(entries), "ready": sum(e.state == READY for e in entries),
         "writing": sum(e.state == WRITING for e in entries),
         "pinned": sum(e.pins > 0 for e in entries), "pins": sum(e.pins for e in entries),
-        "policy": len(index.policy), "by_offset": len(index.by_offset),
+        "policy": len(index.policy), "by_offset": len(index.slots), "in_slots": index.slots.count(),
         "held_outside": len(index.pinned_offsets), "evictions": index.evictions,
         "allocator": index.alloc_.counters(),
     }
@@ -31,23 +31,23 @@ def check(index) -> None:
     problems = []
     if c["ready"] != c["policy"]:
         problems.append("ready entries != policy size")
-    if c["entries"] != c["by_offset"]:
+    if not c["entries"] == c["by_offset"] == c["in_slots"]:
         problems.append("entries != offset map")
     used = sum(k.used for k in index.alloc_.classes)
     if used != c["entries"] + c["held_outside"]:
         problems.append(f"allocator used {used} != entries + held outside")
-    if any(e.pins < 0 for n in index.namespaces.values() for e in n.entries.values()):
+    if any(e.pins < 0 for n in index.namespaces.values() for e in n.all_entries().values()):
         problems.append("negative pin count")
     for n in index.namespaces.values():
-        if any(e.ns is not n or e.offset not in index.by_offset for e in n.entries.values()):
+        every = n.all_entries()
+        if any(e.ns is not n or e.key != k or index.slots.get(e.offset) is not e for k, e in every.items()):
             problems.append(f"namespace {n.key}: entry links broken")
-        if n.ready != sum(e.state == READY for e in n.entries.values()):
+        if n.ready != sum(e.state == READY for e in every.values()):
             problems.append(f"namespace {n.key}: ready count {n.ready} is wrong")
-        visible = dict(n.ready_map)  # with the maps a flush hid: every READY entry exactly once
-        for hidden in n.hidden:
-            visible.update(hidden)
-        if visible != {k: e for k, e in n.entries.items() if e.state == READY} or \
-                len(visible) != len(n.ready_map) + sum(map(len, n.hidden)):
+        # Each entry in exactly one place: READY ones in the ready map or a map a flush hid,
+        # the others in the writing map.
+        if len(every) != n.held() or any(e.state != WRITING for e in n.writing.values()) or \
+                any(e.state != READY for m in [n.ready_map, *n.hidden] for e in m.values()):
             problems.append(f"namespace {n.key}: ready map disagrees with the entries")
     problems += index.tenants.problems(index)
     if problems:

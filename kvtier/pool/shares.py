@@ -74,7 +74,9 @@ class SplitPolicy(EvictionPolicy):
 
     def __init__(self, make: Callable[[], object]):
         self.all = make()
-        self._make = make
+        # An entry's own links belong to the global order: a tenant's order is of the kind
+        # that orders any hashable item (an ordered dict for LRU), where the policy has one.
+        self._make = getattr(make, "keyed", None) or make
         self.by_owner: dict[str, object] = {}
 
     def _of(self, owner: str):
@@ -185,7 +187,7 @@ class TenantShares:
             return {t: n * slab for t, n in self.alloc_.owner_slabs.items()}
         truth: Counter = Counter()
         for n in index.namespaces.values():
-            truth[n.owner] += len(n.entries) * self.alloc_.classes[n.cls].stride
+            truth[n.owner] += n.held() * self.alloc_.classes[n.cls].stride
         return {t: b for t, b in truth.items() if b}
 
     def problems(self, index) -> list[str]:

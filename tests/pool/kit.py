@@ -34,4 +34,4 @@ def stored(idx: BlockIndex, ns, keys: list[bytes], failed=()) -> int:
 
 def present(ns, keys: list[bytes]) -> list[bool]:
     """Which keys are READY, read without touching the policy (lookup would)."""
-    return [k in ns.entries and ns.entries[k].state == "ready" for k in keys]
+    return [ns.entry(k) is not None and ns.entry(k).state == "ready" for k in keys]

@@ -1,5 +1,5 @@
 """The index's fast paths answer exactly what the slow definitions answer:
-ready prefixes found by bisection, LRU order kept by epoch stamps, slots
+ready prefixes found by bisection, the LRU order (linked or keyed), slots
 handed out as ascending runs."""
 
 from __future__ import annotations
@@ -8,9 +8,12 @@ import itertools
 import random
 from collections import OrderedDict
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from kvtier.pool import LRUPolicy, SlabAllocator
+from kvtier.pool.entry import Entry
+from kvtier.pool.policy import KeyedLRUPolicy
 from kvtier.pool.index import ready_prefix
 
 from .kit import BLOCK_A, SLAB, chain, make_index, stored
@@ -40,18 +43,20 @@ def test_lookup_sees_a_hole_left_by_a_discarded_block():
     ns = idx.namespace("model-a", BLOCK_A)
     keys = chain("c", 10)
     stored(idx, ns, keys)
-    idx.discard(ns.entries[keys[3]])  # a checksum failure drops a block mid-chain
+    idx.discard(ns.entry(keys[3]))  # a checksum failure drops a block mid-chain
     assert idx.lookup(ns, keys) == 3
     idx.check_integrity()
 
 
-def test_lru_stamps_order_like_an_ordered_dict_under_random_use():
+@pytest.mark.parametrize("kind", [LRUPolicy, KeyedLRUPolicy])
+def test_lru_order_is_an_ordered_dicts_under_random_use(kind):
     """insert / touch / touch_chain / remove in any mix, with candidates() read
-    part way (its cache of oldest stamps reused across changes): the same order
-    as an OrderedDict with move_to_end."""
+    part way: the linked order (links in the entries) and the keyed one (an
+    ordered dict, the tenants' orders) keep the order an OrderedDict with
+    move_to_end keeps."""
     rng = random.Random(5)
-    p, ref = LRUPolicy(), OrderedDict()
-    items = list(range(30))
+    p, ref = kind(), OrderedDict()
+    items = [Entry(None, bytes([i]), 0) for i in range(30)]
     for step in range(3000):
         op = rng.random()
         if op < 0.3:

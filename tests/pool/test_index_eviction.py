@@ -109,7 +109,7 @@ def test_other_class_gets_space_by_evicting_a_whole_slab():
     # (present() rather than lookup(): a lookup would refresh A past B.)
     assert stored(idx, b, chain("b", 1)) == 1
     assert idx.evictions == 4 and present(a, keys) == [True] * 12 + [False] * 4
-    assert idx.alloc_.slab_of(b.entries[chain("b", 1)[0]].offset) == 3
+    assert idx.alloc_.slab_of(b.entry(chain("b", 1)[0]).offset) == 3
     # The second B block fits the same slab; the third needs slab 2 (a8..a11).
     assert stored(idx, b, chain("b", 2, start=1)) == 2
     assert idx.evictions == 8 and present(a, keys) == [True] * 8 + [False] * 8

@@ -85,21 +85,21 @@ class Workload:
         idx.check_integrity()
         self.apply_events()
         for ns in self.nss:
-            assert self.ready[ns.key] == {k for k, e in ns.entries.items() if e.state == READY}
+            assert self.ready[ns.key] == {k for k, e in ns.all_entries().items() if e.state == READY}
             assert ns.ready_blocks() == len(self.ready[ns.key])  # kept as a counter
             assert ns.stats["stored"] == self.tally["stored", ns.key]
         # Every open plan still owns what it holds: pinned blocks are READY and
         # were not evicted or flushed; in-flight blocks are still WRITING.
         pins = Counter(id(e) for p in self.loads for e in p.entries if e is not None)
         for ns in self.nss:
-            for e in ns.entries.values():
+            for e in ns.all_entries().values():
                 assert e.pins == pins.get(id(e), 0)
         for p in self.loads:
-            assert all(e is None or p.ns.entries.get(e.key) is e for e in p.entries)
+            assert all(e is None or p.ns.entry(e.key) is e for e in p.entries)
         for p in self.stores:
-            assert all(e is None or (p.ns.entries.get(e.key) is e and e.state == WRITING)
+            assert all(e is None or (p.ns.entry(e.key) is e and e.state == WRITING)
                        for e in p.entries)
-        assert idx.alloc_.used_bytes == sum(len(ns.entries) * ns.block_bytes for ns in self.nss)
+        assert idx.alloc_.used_bytes == sum(ns.held() * ns.block_bytes for ns in self.nss)
         # Every removal is an eviction or a flush, and evictions are counted per namespace.
         assert self.tally["removed"] == idx.evictions + self.tally["flushed"]
         assert idx.evictions == sum(ns.stats["evicted"] for ns in self.nss)
@@ -118,18 +118,18 @@ def test_random_workload_stays_consistent(seed):
         w.idx.complete_load(w.loads.pop())
     w.tally["flushed"] += w.idx.flush()
     w.check()
-    assert w.idx.alloc_.used_bytes == 0 and all(not ns.entries for ns in w.nss)
+    assert w.idx.alloc_.used_bytes == 0 and all(not ns.held() for ns in w.nss)
     # The workload must actually have exercised pressure, not just the happy path.
     assert w.idx.evictions > 20 and w.tally["no_space"] > 0 and w.tally["flushed"] > 0
 
 
 def _some_entry(idx):
-    return next(iter(idx.namespaces["model-a"].entries.values()))
+    return next(iter(idx.namespaces["model-a"].all_entries().values()))
 
 
 @pytest.mark.parametrize("corrupt", [
     lambda idx: idx.policy.remove(_some_entry(idx)),             # READY entry lost by policy
-    lambda idx: idx.by_offset.pop(_some_entry(idx).offset),      # offset map out of step
+    lambda idx: idx.slots.pop(_some_entry(idx).offset),          # offset map out of step
     lambda idx: setattr(_some_entry(idx), "pins", -1),           # unpinned once too often
     lambda idx: idx.alloc_.alloc(0),                             # a block nobody accounts for
     lambda idx: setattr(idx.namespaces["model-a"], "ready", 2),  # ready counter out of step

@@ -35,7 +35,7 @@ def test_a_slab_holding_a_recently_read_block_outlives_an_older_slab():
     # whose blocks the walk passes: it goes, slab 2 stays whole.
     assert stored(idx, b, chain("b", 1)) == 1
     assert present(a, keys) == [True] * 4 + [False] * 4 + [True] * 4
-    assert idx.alloc_.slab_of(b.entries[chain("b", 1)[0]].offset) == 1
+    assert idx.alloc_.slab_of(b.entry(chain("b", 1)[0]).offset) == 1
 
 
 def test_a_chain_head_is_not_evicted_with_an_old_tail_in_its_slab():

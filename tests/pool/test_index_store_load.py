@@ -48,7 +48,7 @@ def test_abandoned_plan_commits_nothing():
     plan = idx.prepare_store(ns, chain("p", 5))
     plan.abandoned = True  # the writer died mid-copy
     assert idx.complete_store(plan) == 0
-    assert ns.entries == {} and idx.alloc_.used_bytes == 0
+    assert ns.all_entries() == {} and idx.alloc_.used_bytes == 0
     assert idx.take_events() == []  # nothing was announced, so nothing is removed
     idx.check_integrity()
 
@@ -115,7 +115,7 @@ def test_load_pins_and_complete_load_unpins():
     assert plan.missing == [2]
     assert [e.pins for e in plan.entries[:2]] == [1, 1]
     idx.complete_load(plan, failed=[0])
-    assert [ns.entries[k].pins for k in keys[:2]] == [0, 0]
+    assert [ns.entry(k).pins for k in keys[:2]] == [0, 0]
     assert (ns.stats["loaded"], ns.stats["load_failed"]) == (1, 2)
     idx.check_integrity()
 
@@ -142,9 +142,9 @@ def test_completing_a_load_twice_cannot_steal_another_readers_pin():
     idx.complete_load(first)
     with pytest.raises(IntegrityError):
         idx.complete_load(first)
-    assert ns.entries[keys[0]].pins == 1
+    assert ns.entry(keys[0]).pins == 1
     idx.complete_load(second)
-    assert ns.entries[keys[0]].pins == 0
+    assert ns.entry(keys[0]).pins == 0
 
 
 def test_flush_one_namespace_or_all_keeps_pinned_and_writing():
@@ -159,7 +159,7 @@ def test_flush_one_namespace_or_all_keeps_pinned_and_writing():
     assert present(a, ka) == [True, False, False, False]
     assert idx.lookup(b, kb) == 3  # the other namespace is untouched
     assert idx.flush() == 3        # b's three; a's pinned head stays
-    assert present(a, ka[:1]) == [True] and b.entries == {}
+    assert present(a, ka[:1]) == [True] and b.all_entries() == {}
     idx.complete_load(pin)
     assert idx.complete_store(writing) == 2  # in-flight stores survive a flush
     assert idx.flush() == 3 and idx.alloc_.used_bytes == 0
@@ -204,8 +204,8 @@ def test_discard_drops_a_ready_unpinned_entry_only():
     keys = chain("p", 3)
     stored(idx, ns, keys)
     pin = idx.prepare_load(ns, keys[:1])
-    idx.discard(ns.entries[keys[0]])  # pinned: a reader is copying it out
-    idx.discard(ns.entries[keys[1]])
+    idx.discard(ns.entry(keys[0]))  # pinned: a reader is copying it out
+    idx.discard(ns.entry(keys[1]))
     assert present(ns, keys) == [True, False, True] and ns.ready_blocks() == 2
     idx.complete_load(pin)
     idx.check_integrity()

@@ -2,58 +2,94 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtier.pool import POLICIES, BlockIndex, FIFOPolicy, LRUPolicy, SlabAllocator
+from kvtier.pool.entry import Entry
 from kvtier.pool.keys import SEP
-from kvtier.pool.policy import EvictionPolicy
+from kvtier.pool.policy import EvictionPolicy, KeyedFIFOPolicy, KeyedLRUPolicy
 
 from .kit import BLOCK_A, SLAB, chain, present, stored
 
 
-def filled(policy_cls, keys="abcde"):
-    p = policy_cls()
-    for k in keys:
-        p.insert(k)
-    return p
+KINDS = [LRUPolicy, FIFOPolicy, KeyedLRUPolicy, KeyedFIFOPolicy]
+LRU_KINDS = [LRUPolicy, KeyedLRUPolicy]
+FIFO_KINDS = [FIFOPolicy, KeyedFIFOPolicy]
 
 
-def test_lru_touch_moves_to_most_recent():
-    p = filled(LRUPolicy)
-    p.touch("b")
-    p.touch("a")
-    assert list(p.candidates()) == ["c", "d", "e", "b", "a"]
+class Orders:
+    """One policy under test and the items it orders, named by letter: index entries
+    (links of their own) for the linked kinds, the letters themselves for the keyed ones."""
+
+    def __init__(self, kind, keys="abcde"):
+        self.p = kind()
+        self.linked = not kind.__name__.startswith("Keyed")
+        self.items: dict = {}
+        for k in keys:
+            self.p.insert(self[k])
+
+    def __getitem__(self, k: str):
+        if k not in self.items:
+            self.items[k] = Entry(None, k.encode(), 0) if self.linked else k
+        return self.items[k]
+
+    def order(self) -> list[str]:
+        return [e.key.decode() if self.linked else e for e in self.p.candidates()]
 
 
-def test_fifo_ignores_touch():
-    p = filled(FIFOPolicy)
-    p.touch("a")
-    p.touch("c")
-    assert list(p.candidates()) == list("abcde")
+@pytest.mark.parametrize("kind", LRU_KINDS)
+def test_lru_touch_moves_to_most_recent(kind):
+    o = Orders(kind)
+    o.p.touch(o["b"])
+    o.p.touch(o["a"])
+    assert o.order() == ["c", "d", "e", "b", "a"]
 
 
-def test_remove_and_len():
-    for cls in (LRUPolicy, FIFOPolicy):
-        p = filled(cls)
-        p.remove("c")
-        p.remove("zz")  # removing an unknown entry is a no-op
-        assert len(p) == 4
-        assert list(p.candidates()) == ["a", "b", "d", "e"]
+@pytest.mark.parametrize("kind", FIFO_KINDS)
+def test_fifo_ignores_touch(kind):
+    o = Orders(kind)
+    o.p.touch(o["a"])
+    o.p.touch_chain([o["c"], o["d"]])
+    assert o.order() == list("abcde")
 
 
-def test_touch_unknown_does_not_insert():
-    p = filled(LRUPolicy, "ab")
-    p.touch("x")
-    assert list(p.candidates()) == ["a", "b"] and len(p) == 2
+@pytest.mark.parametrize("kind", KINDS)
+def test_remove_and_len(kind):
+    o = Orders(kind)
+    o.p.remove(o["c"])
+    o.p.remove(o["zz"])  # removing an unknown entry is a no-op
+    o.p.remove(o["c"])   # and so is removing one twice
+    assert len(o.p) == 4
+    assert o.order() == ["a", "b", "d", "e"]
 
 
-def test_reinsert_moves_to_end_in_both():
-    for cls in (LRUPolicy, FIFOPolicy):
-        p = filled(cls, "abc")
-        p.insert("a")
-        assert list(p.candidates()) == ["b", "c", "a"]
+@pytest.mark.parametrize("kind", LRU_KINDS)
+def test_touch_unknown_does_not_insert(kind):
+    o = Orders(kind, "ab")
+    o.p.touch(o["x"])
+    assert o.order() == ["a", "b"] and len(o.p) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reinsert_moves_to_end_in_both(kind):
+    o = Orders(kind, "abc")
+    o.p.insert(o["a"])
+    assert o.order() == ["b", "c", "a"]
+    o.p.insert_chain([o["c"], o["x"]])  # a chain head first: the head ends most recent
+    assert o.order() == ["b", "a", "x", "c"] and len(o.p) == 4
+
+
+def test_an_entry_unlinked_while_the_walk_stands_on_it_does_not_end_the_walk():
+    o = Orders(LRUPolicy)
+    walk = o.p.candidates()
+    assert next(walk) is o["a"]
+    o.p.remove(o["a"])  # the index evicts what a walk picked only after it, but a walk survives it
+    assert [e.key for e in walk] == [b"b", b"c", b"d", b"e"]
 
 
 def test_registry_names():
     assert POLICIES == {"lru": LRUPolicy, "fifo": FIFOPolicy}
+    assert LRUPolicy.keyed is KeyedLRUPolicy and FIFOPolicy.keyed is KeyedFIFOPolicy
 
 
 class NewestFirst(EvictionPolicy):

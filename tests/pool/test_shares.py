@@ -98,7 +98,7 @@ def test_a_tenants_sizes_get_slabs_of_their_own_and_its_other_slabs_go_whole(wal
     stored(idx, a_big, chain("ab", 1))      # slab 0: alice's B block alone ...
     stored(idx, b_big, chain("bb", 1))      # ... bob's goes to a slab of his own
     slab_of = idx.alloc_.slab_of
-    assert slab_of(a_big.entries[chain("ab", 1)[0]].offset) != slab_of(b_big.entries[chain("bb", 1)[0]].offset)
+    assert slab_of(a_big.entry(chain("ab", 1)[0]).offset) != slab_of(b_big.entry(chain("bb", 1)[0]).offset)
     stored(idx, a_small, chain("as", 2))    # alice: 2 slabs, her share, for 3 blocks
     assert idx.tenants.usage(idx) == {"alice": 2 * SLAB, "bob": SLAB}
     assert stored(idx, a_small, chain("as2", 3)) == 3  # 2 free slots + her B slab, whole
@@ -162,8 +162,8 @@ def test_counters_stay_exact_and_no_tenant_passes_its_share(share, ops):
             idx.complete_load(idx.prepare_load(ns, keys))
         elif op == "flush":
             idx.flush(ns)
-        elif ns.entries:
-            idx.discard(next(iter(ns.entries.values())))
+        elif ns.held():
+            idx.discard(next(iter(ns.all_entries().values())))
         idx.check_integrity()
         if share < 1:
             assert all(n <= idx.tenants.limit_slabs for n in idx.alloc_.owner_slabs.values())
