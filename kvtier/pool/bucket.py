@@ -7,7 +7,8 @@ plan's ``entries`` (what they asked for, in order) and a bucket's ``key``,
 index's state: outer layers ask the index (``ready_entry``, ``ready_keys``,
 ``holds``...) instead of reading it.
 
-Primitives: ``Bucket`` (``ready_blocks()``, ``writing_blocks()``), ``StorePlan``, ``LoadPlan``.
+Primitives: ``Bucket`` (``ready_blocks()``, ``writing_blocks()``; the index's: ``entry(key)``,
+``held()``, ``all_entries()``), ``StorePlan``, ``LoadPlan``.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class Bucket:
         return self.ready
 
     def writing_blocks(self) -> int:
-        """Entries being written (a store or a lower tier's read in flight), plus hidden ones draining."""
-        return self.held() - self.ready
+        """Entries being written (a store or a lower tier's read in flight); hidden ones are READY."""
+        return len(self.writing)
 
 
 @dataclass(eq=False)

@@ -3,7 +3,7 @@
 Slab eviction (``index._slab_victims``) asks which entry holds each used slot
 of a slab. A dict from offset to entry cost 40-80 B per block (its slot in a
 table that doubles, plus rehashing all of it at each doubling: a 2M-entry dict
-copies ~100 MB in one call); a list of ``per_slab`` references per slab costs
+copies ~80 MB in one call); a list of ``per_slab`` references per slab costs
 8 B per slot and never grows. A row is made when a prefix entry first lands in
 its slab and kept after the slab empties (it is all None then): at most one
 reference per slot of the pool (a pool of 2M 4 KiB slots: 16 MB), made anew
@@ -11,7 +11,8 @@ only when the slab comes back in a class with another slot count.
 
 Swap blocks share the slabs but are not entered here (they are never slab-evicted).
 
-Primitives: ``SlotMap(allocator)``: ``add(offset, e)``, ``get(offset)``, ``pop(offset)``, ``len()``.
+Primitives: ``SlotMap(allocator)``: ``add(offset, e)``, ``get(offset)``, ``pop(offset)``, ``len()``,
+``count()`` (the rows' entries counted, for the integrity check).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ class SlotMap:
         """(slab, slot, slots per slab) of ``offset`` in its slab's current class."""
         a = self.alloc_
         s, rem = divmod(offset, a.slab_bytes)
-        c = a.classes[a.slabs[s].cls]
+        cls = a.slabs[s].cls
+        if cls < 0:  # (classes[-1] would answer for another class)
+            raise KeyError(f"offset {offset} is in a free slab")
+        c = a.classes[cls]
         return s, rem // c.stride, c.per_slab
 
     def add(self, offset: int, e) -> None:
