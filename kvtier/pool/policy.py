@@ -123,7 +123,7 @@ class LRUPolicy(EvictionPolicy):
     a node) and, like every big dict, copied itself at each doubling. An insert
     or a touch relinks the entry at the end, eviction reads from the front; all
     O(1), no hashing (in process at 10^6 entries: touch and insert of 1,000
-    2.8x and 4x faster than ``move_to_end``, BENCHMARKS.md 18.7).
+    1.8x and 2.8x faster than ``move_to_end``, BENCHMARKS.md 18.7).
 
     Callers touch a hash chain so its head ends most recent: under pressure
     suffixes go before the prefix heads that make them reachable (a chain
@@ -173,7 +173,9 @@ class LRUPolicy(EvictionPolicy):
             self._n -= 1
 
     def candidates(self) -> Iterator:
-        # Lazy: callers must stop iterating before they remove or touch anything.
+        # Lazy: callers must stop iterating before they remove or touch anything. Removing the
+        # entry just yielded is survived; removing the next one would yield it unlinked, and
+        # touching it would end the walk early (reclaim.pick collects first, evicts after).
         head = self._head
         e = head.ln
         while e is not head:

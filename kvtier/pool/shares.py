@@ -61,7 +61,7 @@ from typing import Callable, Hashable, Iterator
 
 from . import reclaim
 from .allocator import SlabAllocator
-from .policy import EvictionPolicy
+from .policy import EvictionPolicy, LRUPolicy
 
 log = logging.getLogger(__name__)
 LOG_EVERY_S = 60.0  # one "at its share" line per tenant per minute: a flood logs once
@@ -76,7 +76,11 @@ class SplitPolicy(EvictionPolicy):
         self.all = make()
         # An entry's own links belong to the global order: a tenant's order is of the kind
         # that orders any hashable item (an ordered dict for LRU), where the policy has one.
-        self._make = getattr(make, "keyed", None) or make
+        keyed = vars(make).get("keyed") if isinstance(make, type) else None
+        if keyed is None and isinstance(make, type) and issubclass(make, LRUPolicy):
+            # It would inherit LRU's or FIFO's keyed kind: tenants' orders of another order.
+            raise TypeError(f"{make.__name__} keeps links in the entries: it must name its own `keyed` kind")
+        self._make = keyed or make
         self.by_owner: dict[str, object] = {}
 
     def _of(self, owner: str):

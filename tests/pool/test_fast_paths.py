@@ -79,7 +79,7 @@ def test_lru_order_is_an_ordered_dicts_under_random_use(kind):
             p.remove(x)
             ref.pop(x, None)
         else:
-            got = list(itertools.islice(p.candidates(), 3))  # builds and reuses the cache
+            got = list(itertools.islice(p.candidates(), 3))  # a walk stopped part way
             assert got == list(ref)[:3]
         if step % 50 == 0:
             assert list(p.candidates()) == list(ref) and len(p) == len(ref)

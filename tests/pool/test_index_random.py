@@ -133,6 +133,9 @@ def _some_entry(idx):
     lambda idx: setattr(_some_entry(idx), "pins", -1),           # unpinned once too often
     lambda idx: idx.alloc_.alloc(0),                             # a block nobody accounts for
     lambda idx: setattr(idx.namespaces["model-a"], "ready", 2),  # ready counter out of step
+    lambda idx: idx.namespaces["model-a"].writing.update(       # an entry in two maps at once
+        {_some_entry(idx).key: _some_entry(idx)}),
+    lambda idx: setattr(_some_entry(idx), "lp", None),           # linked out of the LRU order alone
 ])
 def test_index_integrity_check_catches_corruption(corrupt):
     idx = make_index()

@@ -147,3 +147,23 @@ def test_a_policy_missing_a_method_is_refused_at_construction():
     except TypeError:
         return
     raise AssertionError("a policy without candidates() was accepted")
+
+
+def test_fifo_with_tenant_shares_evicts_a_tenants_oldest_inserted_first():
+    """The split's per-tenant orders are the keyed kind of the policy's own (FIFO's for FIFO):
+    a tenant at its share evicts its first stored blocks, read or not."""
+    idx = BlockIndex(SlabAllocator(4 * SLAB, SLAB), FIFOPolicy(), 0.5)
+    ns = idx.namespace(f"t{SEP}m", BLOCK_A)
+    assert stored(idx, ns, chain("first", 4)) == 4 and stored(idx, ns, chain("second", 4)) == 4
+    idx.lookup(ns, chain("first", 4))  # FIFO: a read does not refresh
+    assert stored(idx, ns, chain("third", 4)) == 4
+    assert present(ns, chain("first", 4)) == [False] * 4 and present(ns, chain("second", 4)) == [True] * 4
+    idx.check_integrity()
+
+
+def test_a_linked_policy_without_its_own_keyed_kind_is_refused_by_the_split():
+    class MostRecentFirst(LRUPolicy):  # another order kept in the links: would inherit LRU's keyed kind
+        pass
+    with pytest.raises(TypeError):
+        BlockIndex(SlabAllocator(4 * SLAB, SLAB), MostRecentFirst(), 0.5)
+    BlockIndex(SlabAllocator(4 * SLAB, SLAB), MostRecentFirst(), 1.0)  # no split: nothing to refuse

@@ -36,6 +36,18 @@ def test_a_slab_that_comes_back_in_another_size_class_maps_its_new_entries():
     idx.check_integrity()
 
 
+def test_a_slab_back_in_a_class_of_the_same_slot_count_but_another_stride_maps_its_entries():
+    idx = make_index(slabs=1)
+    odd = idx.namespace("odd", 4097)    # stride 4,352: 3 per 16 KiB slab
+    wide = idx.namespace("wide", 5000)  # stride 5,120: 3 per slab too, at other offsets
+    assert stored(idx, odd, chain("o", 3)) == 3
+    assert stored(idx, wide, chain("w", 3)) == 3  # the row is reused: same length
+    assert sorted(wide.entry(k).offset for k in chain("w", 3)) == [0, 5120, 10240]
+    assert entries_at(idx, wide, chain("w", 3)) == [True] * 3 and present(odd, chain("o", 3)) == [False] * 3
+    assert stored(idx, odd, chain("o2", 3)) == 3  # and slab eviction reads the wide entries right
+    idx.check_integrity()
+
+
 def test_a_slot_a_swap_block_holds_is_empty_in_the_map_and_keeps_its_slab():
     idx = make_index(slabs=2)
     ns = idx.namespace("m", BLOCK_A)
