@@ -37,11 +37,10 @@ class Bucket:
     def entry(self, key: bytes):
         """The entry of ``key`` in any state (READY, being written, hidden by a flush), or None."""
         e = self.ready_map.get(key) or self.writing.get(key)
-        if e is None and self.hidden:
-            for h in self.hidden:
-                e = h.get(key)
-                if e is not None:
-                    break
+        for h in self.hidden if e is None else ():
+            e = h.get(key)
+            if e is not None:
+                break
         return e
 
     def held(self) -> int:

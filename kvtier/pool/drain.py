@@ -122,15 +122,9 @@ class Drains:
         so the store writes the block anew instead of skipping it."""
         ready = ns.ready_map
         for key in keys:
-            if key in ready:
-                continue
-            for hidden in ns.hidden:
-                e = hidden.get(key)
-                if e is not None:
-                    if e.pins == 0:
-                        del hidden[key]
-                        self.index._drop(e, removed=True)
-                    break
+            e = None if key in ready else ns.entry(key)  # hidden, or being written (not hidden)
+            if e is not None and e.pins == 0 and self.unhide(e):
+                self.index._drop(e, removed=True)
 
     @staticmethod
     def unhide(e) -> bool:

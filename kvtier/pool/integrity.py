@@ -37,12 +37,12 @@ def check(index) -> None:
     used = sum(k.used for k in index.alloc_.classes)
     if used != c["entries"] + c["held_outside"]:
         problems.append(f"allocator used {used} != entries + held outside")
-    if any(e.pins < 0 for n in index.namespaces.values() for e in n.all_entries().values()):
-        problems.append("negative pin count")
     order = getattr(index.policy, "all", index.policy)  # the split's global order, or the policy
     linked = isinstance(order, LRUPolicy)  # READY entries, and only they, are linked into it
     for n in index.namespaces.values():
         every = n.all_entries()
+        if any(e.pins < 0 for e in every.values()):
+            problems.append(f"namespace {n.key}: negative pin count")
         if any(e.ns is not n or e.key != k or index.slots.get(e.offset) is not e for k, e in every.items()):
             problems.append(f"namespace {n.key}: entry links broken")
         if n.ready != sum(e.state == READY for e in every.values()):

@@ -78,7 +78,7 @@ class SplitPolicy(EvictionPolicy):
         # that orders any hashable item (an ordered dict for LRU), where the policy has one.
         keyed = vars(make).get("keyed") if isinstance(make, type) else None
         if keyed is None and isinstance(make, type) and issubclass(make, LRUPolicy):
-            # It would inherit LRU's or FIFO's keyed kind: tenants' orders of another order.
+            # Inheriting LRU's or FIFO's keyed kind would order its tenants by another order.
             raise TypeError(f"{make.__name__} keeps links in the entries: it must name its own `keyed` kind")
         self._make = keyed or make
         self.by_owner: dict[str, object] = {}

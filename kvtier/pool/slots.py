@@ -24,19 +24,25 @@ class SlotMap:
         self._rows: list[list | None] = [None] * len(allocator.slabs)
         self._n = 0
 
-    def _at(self, offset: int) -> tuple[int, int, int]:
-        """(slab, slot, slots per slab) of ``offset`` in its slab's current class."""
+    def _at(self, offset: int) -> tuple[int, int, int] | None:
+        """(slab, slot, slots per slab) of ``offset`` in its slab's current class; None in a free slab."""
         a = self.alloc_
         s, rem = divmod(offset, a.slab_bytes)
         cls = a.slabs[s].cls
         if cls < 0:  # (classes[-1] would answer for another class)
-            raise KeyError(f"offset {offset} is in a free slab")
+            return None
         c = a.classes[cls]
         return s, rem // c.stride, c.per_slab
 
+    def _placed(self, offset: int) -> tuple[int, int, int]:
+        at = self._at(offset)
+        if at is None:
+            raise KeyError(f"offset {offset} is in a free slab")
+        return at
+
     def add(self, offset: int, e) -> None:
         """``e`` now lives at ``offset`` (a slot the allocator gave out)."""
-        s, i, per = self._at(offset)
+        s, i, per = self._placed(offset)
         row = self._rows[s]
         if row is None or len(row) != per:  # first entry here, or the slab came back in another class
             row = self._rows[s] = [None] * per
@@ -47,22 +53,17 @@ class SlotMap:
 
     def get(self, offset: int):
         """The entry at ``offset`` (a used slot of an assigned slab), or None."""
-        a = self.alloc_
-        s, rem = divmod(offset, a.slab_bytes)
-        row = self._rows[s]
-        if row is None or a.slabs[s].cls < 0:
-            return None
-        i = rem // a.classes[a.slabs[s].cls].stride
-        return row[i] if i < len(row) else None
+        at = self._at(offset)
+        row = self._rows[at[0]] if at is not None else None
+        return row[at[1]] if row is not None and at[1] < len(row) else None
 
     def pop(self, offset: int):
         """Forget the entry at ``offset`` (before its slot is freed); KeyError if none."""
-        s, i, _ = self._at(offset)
-        row = self._rows[s]
-        e = row[i] if row is not None and i < len(row) else None
+        s, i, _ = self._placed(offset)
+        e = self.get(offset)
         if e is None:
             raise KeyError(offset)
-        row[i] = None
+        self._rows[s][i] = None
         self._n -= 1
         return e
 
