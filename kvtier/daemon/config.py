@@ -70,6 +70,7 @@ class DaemonConfig:
     log_format: str = "text"        # "text" or "json" (one JSON object per line)
     metrics: str = ""               # Prometheus HTTP endpoint HOST:PORT; "" = off
     checksums: bool = False         # debug: crc32 per block at store, verified at load
+    gc_freeze: bool = True          # freeze what each full garbage collection kept (daemon/tenure.py)
     warm_restart: bool = False      # keep the pool and a journal of its blocks for the next daemon
     socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
     copy_delay_s: float = 0.0       # fault injection for tests: stall before every copy chunk

@@ -1,5 +1,6 @@
 """Operations side of the daemon: supervisor notifications, SIGHUP reload,
-the stats snapshot behind Prometheus metrics, and transfer latencies.
+the stats snapshot behind Prometheus metrics, transfer latencies, and the
+garbage collector's tenure (SIGUSR1 audits it).
 
 Everything here runs on the poll-loop thread except the metrics HTTP server,
 which only ever reads ``self.snapshot``: a dict built fresh by ``stats()`` and
@@ -7,7 +8,7 @@ replaced whole (one attribute store), never mutated after publication.
 
 Primitives: ``Housekeeping(config, notifier, reloader, stats)``, ``.config``
 (the live config, replaced on reload), ``.start_metrics()``, ``.tick()``,
-``.request_reload()``, ``.stop()``.
+``.request_reload()``, ``.request_gc_audit()``, ``.tenure`` (``tenure.Tenure``), ``.stop()``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .config import DaemonConfig
 from .latency import LatencyHistograms
 from .logs import apply_logging
 from .notify import Notifier
+from .tenure import Tenure
 
 log = logging.getLogger("kvtier.daemon")
 
@@ -42,6 +44,8 @@ class Housekeeping:
         self.snapshot: dict | None = None   # read by the metrics thread
         self.metrics_server = None
         self._reload_pending = False
+        self._audit_pending = False
+        self.tenure = Tenure()  # installed by the daemon's process (main.py): the collector is per process
         self._next_snapshot = 0.0
 
     def start_metrics(self) -> None:
@@ -65,6 +69,9 @@ class Housekeeping:
         if self._reload_pending:
             self._reload_pending = False
             self.reload()
+        if self._audit_pending:
+            self._audit_pending = False
+            self.tenure.audit()  # logs what it found
         due = self.notifier.watchdog_tick(now)
         if self.metrics_server is not None:
             if now >= self._next_snapshot:
@@ -72,6 +79,10 @@ class Housekeeping:
                 self._next_snapshot = now + SNAPSHOT_PERIOD_S
             due = min(due, self._next_snapshot - now)
         return max(0.0, due)
+
+    def request_gc_audit(self) -> None:
+        """Signal-safe (SIGUSR1): audit the garbage collector's frozen objects at the next turn."""
+        self._audit_pending = True
 
     def stop(self) -> None:
         self.notifier.stopping()

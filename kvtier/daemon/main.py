@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     # walking them: a full pass over a started daemon's objects took 1.02 s (load 10) before,
     # 0 after. No collection first: what start-up left as garbage is bounded and freed never.
     gc.freeze()
+    if daemon.config.gc_freeze:  # and what each full collection finds alive from now on (tenure.py)
+        daemon.housekeeping.tenure.install()
     daemon.install_signals()
     signal.signal(signal.SIGHUP, daemon.request_reload)
     daemon.serve_forever(ready=daemon.notify_ready)

@@ -111,6 +111,20 @@ class SnapshotCollector:
         yield from self._disk(s.get("disk", {}))  # disk tier hook
         yield from self._tenants(s.get("tenants", {}))
         yield from self._events(s.get("events", {}))
+        yield from self._gc(s.get("gc", {}))
+
+    @staticmethod
+    def _gc(g):
+        if not g:
+            return
+        yield GaugeMetricFamily("kvtier_gc_frozen_objects", "Objects in the collector's permanent generation "
+                                "(what start-up and, with gc_freeze, each full collection left alive).",
+                                value=g["frozen"])
+        yield CounterMetricFamily("kvtier_gc_full_collections", "Full garbage collections since start "
+                                  "(counted with gc_freeze on).", value=g["full_passes"])
+        yield GaugeMetricFamily("kvtier_gc_longest_full_seconds", "The longest full garbage collection "
+                                "(it holds the thread that ran it; with gc_freeze on).",
+                                value=g["longest_full_ms"] / 1e3)
 
     @staticmethod
     def _events(e):

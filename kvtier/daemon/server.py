@@ -195,9 +195,15 @@ class Daemon:
         self.housekeeping.request_reload()
         self.signals.wake(b"h")
 
+    def request_gc_audit(self, *_args) -> None:
+        """Signal-safe (SIGUSR1): log what freezing the collector's survivors kept (tenure.py)."""
+        self.housekeeping.request_gc_audit()
+        self.signals.wake(b"g")
+
     def install_signals(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGUSR1, self.request_gc_audit)
 
     def notify_ready(self) -> None:
         self.housekeeping.notify_ready()

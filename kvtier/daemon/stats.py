@@ -94,6 +94,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "errors": dict(d.errors),
         "connections": {"open": len(d.guard.conns), "cut": d.guard.counters["connections_cut"]},
         "latency": d.housekeeping.latency.snapshot(),
+        "gc": d.housekeeping.tenure.stats(),
         "gpu": d.gpu.stats() if d.gpu is not None else {"enabled": False},
         "remote": d.remote.stats(None if everything else viewer.tenant) if d.remote is not None else {"enabled": False},
         "disk": d.disk.stats(None if everything else viewer.tenant) if d.disk is not None else {"enabled": False},

@@ -21,6 +21,7 @@ import os
 import stat
 import weakref
 
+import numpy as np
 import torch
 
 from .specs import NoCudaPath, SpecError, check_geometry, extent_bytes, is_int, normalize_uuid
@@ -97,7 +98,7 @@ class FdMapping:
     The mapping keeps no descriptor: Python's ``mmap`` holds a ``dup()`` of
     its file for its whole life, which made every mapped hand-over cost the
     daemon descriptors until one user exhausted them. Here ``mmap(2)`` is
-    called directly and the memory is exposed as a ctypes array; tensors
+    called directly and the memory is exposed as a numpy array; tensors
     built on it keep the array alive, and the last reference to go unmaps
     (``close`` only drops this object's, so it never unmaps under a view)."""
 
@@ -135,18 +136,31 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def map_shared(fd: int, size: int, what: str) -> ctypes.Array:
-    """``size`` bytes of ``fd`` mapped shared read/write, as a ctypes array
-    that unmaps itself when the last reference to it dies; no descriptor kept."""
+class _Mapped:
+    """One ``mmap(2)``'d region, seen by numpy through the array interface;
+    it carries the finalizer that unmaps it (``map_shared``)."""
+    __slots__ = ("__array_interface__", "__weakref__")
+
+    def __init__(self, addr: int, size: int):
+        self.__array_interface__ = {"data": (addr, False), "shape": (size,), "typestr": "|u1", "version": 3}
+
+
+def map_shared(fd: int, size: int, what: str) -> np.ndarray:
+    """``size`` bytes of ``fd`` mapped shared read/write, as a uint8 array
+    that unmaps itself when the last view of it dies; no descriptor kept.
+
+    Not a ctypes array: ``c_ubyte * size`` makes a new type per size, and a
+    type is a reference cycle, freed only by a full garbage collection; one
+    that lived through one is frozen (daemon/tenure.py) and would never be."""
     addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         err = ctypes.get_errno()
         if err in RESOURCE_ERRNOS:  # the daemon's limits, not the request's fault
             raise OutOfResources(f"{what}: cannot map the memory: {os.strerror(err)}")
         raise SpecError(f"{what}: cannot map the memory: {os.strerror(err)}")  # e.g. a read-only descriptor
-    array = (ctypes.c_ubyte * size).from_address(addr)
-    weakref.finalize(array, _libc.munmap, addr, size)
-    return array
+    region = _Mapped(addr, size)
+    weakref.finalize(region, _libc.munmap, addr, size)
+    return np.asarray(region)  # its base is the region: the last view to go unmaps
 
 
 MAX_MAPPING = 1 << 42
