@@ -12,10 +12,13 @@ stored later was walked again by every full pass.
 collection ends, everything that survived it (the pass has just found it
 reachable) moves to the permanent generation (``gc.freeze()``, a splice of
 lists: O(1)). The next full pass walks only what was promoted since the last
-one, so its work is bounded by what the daemon allocated in between (CPython
-runs a full pass after at most threshold0 x threshold1 x threshold2 = 70,000
-net allocations once the unfrozen survivors are few), not by the pool. Young
-generations are collected as before.
+one, so its work is bounded by what the daemon allocated in between, not by
+the pool. CPython runs a full pass once ``threshold2`` young-generation
+passes have run (and the survivors grew by a quarter: they are few now); at
+its default, 10, that is ~70,000 net allocations, whose walk took 21-32 ms
+under the trace replay (BENCHMARKS.md 18.9), so tenure sets it to
+``FULL_EVERY`` = 2 (~14,000: a few ms). The collector's total work stays the
+same: each object is walked in a full pass once, then frozen.
 
 The price: a frozen object is still freed by reference counting the moment
 nothing refers to it, but one that later becomes part of a garbage *cycle*
@@ -40,6 +43,7 @@ import time
 from collections import Counter
 
 log = logging.getLogger("kvtier.daemon")
+FULL_EVERY = 2  # generation-1 passes per full pass while installed (CPython's default: 10)
 
 
 class Tenure:
@@ -50,15 +54,19 @@ class Tenure:
         self.last_ms = 0.0        # wall time of the last full collection
         self.longest_ms = 0.0     # and of the longest
         self._started = 0.0
+        self._thresholds: tuple | None = None  # CPython's, while installed
 
     def install(self) -> None:
         if not self.installed:
             gc.callbacks.append(self._on_collect)
+            self._thresholds = gc.get_threshold()
+            gc.set_threshold(self._thresholds[0], self._thresholds[1], FULL_EVERY)
             self.installed = True
 
     def uninstall(self) -> None:
         if self.installed:
             gc.callbacks.remove(self._on_collect)
+            gc.set_threshold(*self._thresholds)
             self.installed = False
 
     def _on_collect(self, phase: str, info: dict) -> None:
@@ -85,7 +93,7 @@ class Tenure:
         pass over the unfrozen objects first (their cycles are not tenure's doing),
         then one over everything; re-frozen after. Holds the calling thread for a
         full pass over every object: an operator's tool, not a periodic task."""
-        hooked, self.installed = self.installed, False
+        hooked = self.installed
         if hooked:
             gc.callbacks.remove(self._on_collect)  # not counted, not frozen mid-audit
         kinds: Counter = Counter()
@@ -108,7 +116,7 @@ class Tenure:
             gc.freeze()
         finally:
             if hooked:
-                self.install()
+                gc.callbacks.append(self._on_collect)
         out = {"unfrozen_cycles": young, "frozen_before": frozen, "frozen_cycles": leaked,
                "frozen_after": gc.get_freeze_count(), "unfrozen_ms": round((t1 - t0) * 1e3, 1),
                "all_ms": round((t2 - t1) * 1e3, 1), "kinds": dict(kinds.most_common(8))}

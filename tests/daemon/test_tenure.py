@@ -23,7 +23,7 @@ import pytest
 
 from kvtier.client import KVTierError, Namespace
 from kvtier.protocol.errors import ErrorCode
-from kvtier.daemon.tenure import Tenure
+from kvtier.daemon.tenure import FULL_EVERY, Tenure
 from tests.helpers import make_kv
 
 
@@ -78,6 +78,15 @@ def test_the_audit_finds_a_cycle_that_became_garbage_after_it_was_frozen(tenure)
     passes = tenure.full_passes
     tenure.audit()
     assert tenure.installed and tenure.full_passes == passes  # the audit's own passes are not counted
+
+
+def test_installed_a_full_pass_comes_every_few_young_passes_and_uninstalled_as_before():
+    shipped = gc.get_threshold()
+    t = Tenure()
+    t.install()
+    assert gc.get_threshold() == (*shipped[:2], FULL_EVERY)  # a few ms of unfrozen objects per full pass
+    t.uninstall()
+    assert gc.get_threshold() == shipped
 
 
 def test_uninstalled_the_collector_is_left_as_cpython_ships_it():
