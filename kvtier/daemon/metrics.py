@@ -117,9 +117,6 @@ class SnapshotCollector:
     def _gc(g):
         if not g:
             return
-        yield GaugeMetricFamily("kvtier_gc_frozen_objects", "Objects in the collector's permanent generation "
-                                "(what start-up and, with gc_freeze, each full collection left alive).",
-                                value=g["frozen"])
         yield CounterMetricFamily("kvtier_gc_full_collections", "Full garbage collections since start "
                                   "(counted with gc_freeze on).", value=g["full_passes"])
         yield GaugeMetricFamily("kvtier_gc_longest_full_seconds", "The longest full garbage collection "
