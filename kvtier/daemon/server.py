@@ -89,7 +89,7 @@ class Daemon:
             discard_kept(config)
         check_ram(config, self.warm.kept_bytes() if self.warm else 0)
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
-        log.info("reserving and prefaulting a %s pool (about a second per GiB) unless one was kept...",
+        log.info("reserving and prefaulting a %s pool (about a second per GiB per core) unless one was kept...",
                  format_size(config.pool_size))
         try:
             self.segment = self.warm.open() if self.warm else None

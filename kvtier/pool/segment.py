@@ -7,7 +7,8 @@ Design notes (measured on the dev machine):
   * ``ftruncate`` is sparse, so an oversize pool would only fail later with
     SIGBUS; ``posix_fallocate`` reserves tmpfs pages now and fails fast.
   * mapping with MAP_POPULATE prefaults page tables so first copies run at
-    full speed.
+    full speed; a segment of ``prefault.PARALLEL_MIN`` or more (the pool) is
+    faulted in by ``MADV_POPULATE_WRITE`` on several threads instead.
   * the mapping's lifetime is owned here: tensors over it must be dropped
     before ``close()``; closing under a live tensor would segfault the next
     write, so ``close`` refuses (BufferError) instead.
@@ -34,6 +35,7 @@ import posix_ipc
 import psutil
 
 from ..ownership import distrust, ours
+from .prefault import PARALLEL_MIN, NoRoom, populate
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +67,22 @@ class ShmSegment:
             # OSError: ELOOP for a symlink at the name (shm_open opens with O_NOFOLLOW), ...
             raise SegmentError(f"shared memory {self.name}: {exc}") from None
         try:
+            # A big new segment (the pool) is faulted in on several threads (prefault.py).
+            parallel = create and populate and size >= PARALLEL_MIN
             if create:
                 os.fchmod(shm.fd, mode)  # umask must not widen or narrow the mode
                 if group is not None:  # e.g. the kvtier group, so the daemon's user can map it
                     os.fchown(shm.fd, -1, group)
-                _reserve(shm.fd, size, self.name)
+                if parallel:
+                    # posix_fallocate refused a size over the free space at once; populate() would
+                    # first fill /dev/shm to the brim, so the same check comes first.
+                    free = os.fstatvfs(shm.fd)
+                    if free.f_bavail * free.f_frsize < size:
+                        raise SegmentError(f"cannot reserve {size} bytes for {self.name}: "
+                                           f"{os.strerror(errno.ENOSPC)} (is /dev/shm large enough?)")
+                    os.ftruncate(shm.fd, size)  # sparse until populate() faults every page in
+                else:
+                    _reserve(shm.fd, size, self.name)
             st = os.fstat(shm.fd)
             why = check(st) if check is not None else ""
             if why:  # on the descriptor we map: no window for a swap of the name
@@ -77,14 +90,27 @@ class ShmSegment:
             self.size = st.st_size
             if self.size == 0:
                 raise SegmentError(f"shared memory {self.name} is empty")
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate and not parallel else 0)
             self._mmap = mmap.mmap(shm.fd, self.size, flags=flags)
+            if parallel and not self._populate():  # a kernel before 5.14: the one-thread way
+                self._mmap.close()
+                _reserve(shm.fd, size, self.name)
+                self._mmap = mmap.mmap(shm.fd, self.size, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
+            if self._mmap is not None:
+                self._mmap.close()
+                self._mmap = None
             if create:
                 shm.unlink()
             raise
         finally:
             shm.close_fd()
+
+    def _populate(self) -> bool:
+        try:
+            return populate(self._mmap, self.size, self.name)
+        except NoRoom as exc:
+            raise SegmentError(str(exc.strerror)) from None
 
     @property
     def buffer(self) -> memoryview:
