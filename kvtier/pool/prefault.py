@@ -11,7 +11,8 @@ GIL). A tmpfs without room fails it with EFAULT or ENOMEM, never SIGBUS: the
 same fail-fast as ``posix_fallocate``. On an older kernel (EINVAL) the caller
 falls back to the old way.
 
-Primitives: ``populate(mm, size, name, threads=None) -> bool`` (False: the kernel lacks it),
+Primitives: ``populate(mm, size, name, threads=None) -> bool`` (False: the kernel lacks it;
+``NoRoom`` without the memory), ``no_room(size, name, errno)`` (the message),
 ``PARALLEL_MIN`` (smaller segments keep the old way: one thread is enough).
 """
 
@@ -37,6 +38,16 @@ class NoRoom(OSError):
     """The segment's memory could not be allocated (tmpfs full, or no memory)."""
 
 
+def no_room(size: int, name: str, err: int) -> str:
+    """What a segment that cannot be reserved says (here, and ``segment``'s other two ways)."""
+    return f"cannot reserve {size} bytes for {name}: {os.strerror(err)} (is /dev/shm large enough?)"
+
+
+def _advise(base: int, off: int, n: int) -> int:
+    """``MADV_POPULATE_WRITE`` over ``n`` bytes at ``base + off``: 0, or the errno."""
+    return 0 if _libc.madvise(base + off, n, MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
+
+
 def threads_for(size: int) -> int:
     return max(1, min(MAX_THREADS, os.cpu_count() or 1, size // CHUNK))
 
@@ -56,18 +67,17 @@ def populate(mm, size: int, name: str, threads: int | None = None) -> bool:
         def work() -> None:
             while not failed:
                 try:
-                    off, n = chunks.get_nowait()
+                    err = _advise(base, *chunks.get_nowait())
                 except queue.Empty:
                     return
-                if _libc.madvise(base + off, n, MADV_POPULATE_WRITE) != 0:
-                    failed.append(ctypes.get_errno())
+                if err:
+                    failed.append(err)
 
         # The first chunk on this thread: an old kernel says EINVAL before any thread starts.
-        work_one = chunks.get_nowait()
-        if _libc.madvise(base + work_one[0], work_one[1], MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            if err in (errno.EINVAL, errno.ENOSYS):
-                return False
+        err = _advise(base, *chunks.get_nowait())
+        if err in (errno.EINVAL, errno.ENOSYS):
+            return False
+        if err:
             failed.append(err)
         pool = [threading.Thread(target=work, name=f"kvtier-prefault-{i}", daemon=True)
                 for i in range(threads if threads is not None else threads_for(size))]
@@ -76,8 +86,7 @@ def populate(mm, size: int, name: str, threads: int | None = None) -> bool:
         for t in pool:
             t.join()
         if failed:
-            raise NoRoom(failed[0], f"cannot reserve {size} bytes for {name}: {os.strerror(failed[0])} "
-                         "(is /dev/shm large enough?)")
+            raise NoRoom(failed[0], no_room(size, name, failed[0]))
         return True
     finally:
         del anchor

@@ -35,7 +35,7 @@ import posix_ipc
 import psutil
 
 from ..ownership import distrust, ours
-from .prefault import PARALLEL_MIN, NoRoom, populate
+from .prefault import PARALLEL_MIN, NoRoom, no_room, populate
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ class ShmSegment:
                     # first fill /dev/shm to the brim, so the same check comes first.
                     free = os.fstatvfs(shm.fd)
                     if free.f_bavail * free.f_frsize < size:
-                        raise SegmentError(f"cannot reserve {size} bytes for {self.name}: "
-                                           f"{os.strerror(errno.ENOSPC)} (is /dev/shm large enough?)")
+                        raise SegmentError(no_room(size, self.name, errno.ENOSPC))
                     os.ftruncate(shm.fd, size)  # sparse until populate() faults every page in
                 else:
                     _reserve(shm.fd, size, self.name)
@@ -151,9 +150,7 @@ def _reserve(fd: int, size: int, name: str) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise SegmentError(
-                f"cannot reserve {size} bytes for {name}: {os.strerror(exc.errno)} "
-                f"(is /dev/shm large enough?)") from None
+            raise SegmentError(no_room(size, name, exc.errno)) from None
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             os.ftruncate(fd, size)  # filesystem without fallocate: sparse fallback
         else:
