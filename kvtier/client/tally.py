@@ -3,8 +3,9 @@
 Lookups answered from shared memory never reach the daemon, so the client
 counts them (lookups, hashes asked, hashes hit) and the connection reports
 the counts since its last report ahead of its next request (``LookupsAnswered``,
-sent without waiting for its reply: no round trip), on its heartbeat (in
-place of that beat's ping), on ``ping`` and before it closes; the daemon adds them to
+sent without waiting for its reply: no round trip; ahead of a store or load at
+most every ``connection.REPORT_EVERY`` s), on its heartbeat (in place of that
+beat's ping), on ``ping``, ``stats`` and ``flush`` and before it closes; the daemon adds them to
 the counters socket lookups use (``daemon/answered.py``). Counts taken for a
 report that fails are given back and go with the next one; those of a
 session that is lost are dropped with it (its registrations are gone).

@@ -24,6 +24,15 @@ Bounded work for hostile keys: an insert that would land past the
 fall back to the daemon) instead of growing probe chains - a key stored
 where no lookup looks would be never found and never removed.
 
+Removals without tombstones where they can: a probe passes a
+bucket only while it has no empty slot, and no write ever empties a slot of a
+bucket that has none, so a bucket holding an empty slot has never been passed
+since the table was last cleared or rehashed: the key a removal finds there can
+leave an empty slot, not a tombstone. Only removals from full buckets leave
+tombstones, so churn at a steady ready set (every eviction one removal) no
+longer fills the table with them and rehashes it in one call every quarter of
+its capacity of removals (BENCHMARKS 20.4).
+
 Layout and the vectorized probes: ``shm_table.py``. Small writes (a store's
 commit, an eviction pass) go key by key (``SMALL_WRITE``), larger ones vectorized.
 
@@ -134,10 +143,13 @@ class ShmIndexWriter:
         with _Write(t.header):
             slots = np.unique(t.find(h[:, 0], h[:, 1]))
             slots = slots[slots >= 0]
-            t.state[slots] = TOMB
+            # In a bucket with an empty slot a removed slot is empty too, not a tombstone (docstring).
+            tomb = slots[~(t.state_rows[slots // BUCKET] == EMPTY).any(1)]
+            t.state[slots] = EMPTY
+            t.state[tomb] = TOMB
             t.k0[slots] = 0  # a removed slot never matches a hash's first 8 bytes
             t.header[COUNT_W] -= np.uint64(len(slots))
-            t.header[TOMB_W] += np.uint64(len(slots))
+            t.header[TOMB_W] += np.uint64(len(tomb))
 
     def clear(self) -> None:
         """Empty the table (and lift an overflow: the daemon re-adds what is ready)."""
@@ -208,15 +220,19 @@ class ShmIndexWriter:
                 hw[COUNT_W] += 1
 
     def _remove_few(self, pairs: list) -> None:
-        hw, k0, st = self._hw, self._k0, self._st
+        hw, k0, st, mm, st_at = self._hw, self._k0, self._st, self._mm, self._st_at
         with _Write(self.t.header):
             for h0, h1 in pairs:
                 s = self._find1(h0, h1, h0.to_bytes(8, "little"))
                 if s >= 0:
-                    st[s] = TOMB
                     k0[s] = 0  # a removed slot never matches a hash's first 8 bytes
                     hw[COUNT_W] -= 1
-                    hw[TOMB_W] += 1
+                    lo = st_at + s - s % BUCKET
+                    if mm.find(b"\x00", lo, lo + BUCKET) >= 0:  # a bucket with an empty slot: no tombstone (docstring)
+                        st[s] = EMPTY
+                    else:
+                        st[s] = TOMB
+                        hw[TOMB_W] += 1
 
     def _insert(self, h: np.ndarray) -> None:
         """Each hash into the first free slot of its home bucket or a later one.

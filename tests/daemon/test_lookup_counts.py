@@ -53,6 +53,30 @@ def test_lookups_the_mirror_answers_show_up_in_the_daemons_counters(daemon_facto
     kv.close()
 
 
+def test_a_transfer_carries_the_counts_at_most_every_report_period(daemon_factory, monkeypatch):
+    """Ahead of a store or load the counts go at most once per ``REPORT_EVERY`` (one more
+    message each way per transfer cost a 4 KiB-block store ~0.05 ms); a management call
+    (``stats``) carries them at once, whatever the period."""
+    from kvtier.client import connection
+    d = daemon_factory(env=MIRROR)
+    kv = make_kv(seed=9)
+    with d.client(name="engine", heartbeat=False) as c, d.client(name="observer", heartbeat=False) as other:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        monkeypatch.setattr(connection, "REPORT_EVERY", 0.0)  # every transfer carries them
+        assert c.lookup(HASHES) == 0
+        assert c.store(HASHES[:4], list(range(4))).wait().ok
+        assert other.stats()["namespaces"][0]["mirror_lookups"] == 1
+        monkeypatch.setattr(connection, "REPORT_EVERY", 3600.0)  # the last report is too recent
+        assert c.store(HASHES[4:5], [4]).wait().ok
+        for _ in range(3):
+            assert c.lookup(HASHES) == 5
+        assert c.store(HASHES[5:6], [5]).wait().ok
+        assert c.load(HASHES[:2], [0, 1]).wait().ok
+        assert other.stats()["namespaces"][0]["mirror_lookups"] == 1  # not carried: within the period
+        assert c.stats()["namespaces"][0]["mirror_lookups"] == 4  # stats carries them at once
+    kv.close()
+
+
 def test_the_heartbeat_reports_what_the_mirror_answered(daemon_factory):
     d = daemon_factory(env=MIRROR)
     kv = make_kv(seed=8)

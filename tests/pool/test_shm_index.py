@@ -166,6 +166,59 @@ def test_a_key_the_writer_keeps_is_one_a_reader_finds_and_the_writer_removes():
         w.close()
 
 
+def assert_tombstones_only_in_full_buckets(w) -> None:
+    """What lets a removal skip its tombstone: one lives only in a bucket with no empty slot
+    (probes stop at a bucket with one), and the header counts every one of them."""
+    rows = w.t.state_rows
+    tombs = (rows == 2).any(1)  # TOMB
+    assert not (tombs & (rows == 0).any(1)).any()  # EMPTY
+    assert int(w.t.header[4]) == int((rows == 2).sum())  # TOMB_W
+
+
+@pytest.mark.parametrize("small", [0, 10**6], ids=["vectorized", "key-by-key"])
+def test_a_removal_leaves_a_tombstone_only_where_a_probe_may_have_passed(small):
+    """Eight keys fill their home bucket and four spill into the next. Removing a spilled
+    one (its bucket has empty slots: no probe ever went past it) leaves an empty slot;
+    removing one of the full bucket leaves a tombstone, which the spilled keys' lookups
+    still probe past, and which the next add of that bucket takes. Under churn at a
+    steady ready set tombstones stay rare, so the table is seldom rehashed."""
+    w = ShmIndexWriter(segment_name(), 64)  # 256 slots in 32 buckets of 8
+    w.small = small
+    r = ShmIndexReader(w.name)
+    try:
+        keys = colliding(12, w.t.capacity // 8)
+        w.add(keys)
+        w.remove([keys[9]])  # spilled into bucket 4, which has empty slots
+        assert int(w.t.header[4]) == 0 and int(w.t.header[3]) == 11
+        w.remove([keys[2]])  # from the full home bucket
+        assert int(w.t.header[4]) == 1
+        assert_tombstones_only_in_full_buckets(w)
+        assert [r.ready_prefix([k]) for k in keys] == [0 if i in (2, 9) else 1 for i in range(12)]
+        w.add([keys[2]])  # back into its tombstone
+        assert int(w.t.header[4]) == 0 and all(r.ready_prefix([k]) == 1 for k in keys if k != keys[9])
+
+        rehashes = 0
+        rehash = w._rehash
+        def counted():
+            nonlocal rehashes
+            rehashes += 1
+            rehash()
+        w._rehash = counted
+        rng, live = random.Random(5), list(keys)
+        live.remove(keys[9])
+        for i in range(3000):  # ~100 ready keys of 256 slots, one in, one out
+            new = i.to_bytes(8, "little") + b"churn..."
+            w.add([new])
+            live.append(new)
+            w.remove([live.pop(rng.randrange(len(live)))])
+            assert_tombstones_only_in_full_buckets(w)
+        assert all(r.ready_prefix([k]) == 1 for k in live) and int(w.t.header[3]) == len(live)
+        assert rehashes <= 3  # with a tombstone per removal: one every ~90 removals, ~33
+    finally:
+        r.close()
+        w.close()
+
+
 def test_a_reader_on_a_cpu_without_x86_ordering_refuses_to_map_the_table(table):
     """The seqlock has no fences: only x86's store and load ordering makes it
     safe. Elsewhere the reader refuses (the client then asks the daemon)."""
@@ -239,6 +292,8 @@ def test_small_writes_key_by_key_and_large_vectorized_ones_keep_the_same_table(o
             want = linear_prefix(ready, probe)
             assert [r.ready_prefix(probe) for r in rs] == [want, want]
             assert [int(w.t.header[3]) for w in ws] == [len(ready)] * 2  # COUNT_W
+            for w in ws:
+                assert_tombstones_only_in_full_buckets(w)
         assert all(r.ready_prefix(k) == 1 for k in ready for r in rs)
     finally:
         for x in rs + ws:
