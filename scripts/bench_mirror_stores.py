@@ -80,20 +80,27 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=24, help="blocks per store")
     ap.add_argument("--block-bytes", default="4KiB")
     ap.add_argument("--tree", default=REPO, help="the kvtier checkout whose daemon and client run")
-    ap.add_argument("--json")
+    ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                    help="write the full report as JSON to PATH (tables still printed); alone: JSON on stdout only")
     a = ap.parse_args()
+    if not os.path.isdir(os.path.join(a.tree, "kvtier")):
+        ap.error(f"--tree {a.tree} is not a kvtier checkout")
     # The tree's kvtier first; this checkout's benchlib (which puts REPO first unless it is on the path).
     sys.path[:0] = [os.path.abspath(a.tree), os.path.join(REPO, "scripts")]
     sys.path.append(REPO)
+    os.chdir(a.tree)  # the daemons run ``-m kvtier.daemon``, which puts the cwd first on sys.path
     import torch
 
     from benchlib import emit, machine_notes, parse_size, table
     from kvtier.client import Client, Namespace, ShmKVCache
     from kvtier.demo.daemon_proc import PrivateDaemon
 
-    bb = parse_size(a.block_bytes)
+    try:
+        bb = parse_size(a.block_bytes)
+    except ValueError as exc:
+        ap.error(f"--block-bytes: {exc}")
     if bb % 256 or not 1 <= a.blocks <= 64 or a.stores < 400:
-        raise SystemExit("--block-bytes must be a multiple of 256, --blocks 1-64, --stores at least 400")
+        ap.error("--block-bytes must be a multiple of 256, --blocks 1-64, --stores at least 400")
     torch.set_num_threads(1)
     pool, slab = max(8 << 20, 256 * bb), max(1 << 20, 16 * bb)
     modes = {"off": "false", "on": "true", "on-quiet": "true"}

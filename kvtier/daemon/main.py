@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+import torch
+
 from ..console import print_or_pipe_closed
 from .config import load_config
 from .logs import setup_logging
@@ -59,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         return print_or_pipe_closed(json.dumps(config.as_dict(), indent=2))
     setup_logging(config.log_level, config.log_format)
+    # One OpenMP thread per copy: the copy threads (copy_threads) are the daemon's parallelism.
+    # A store's gather (torch.index_select) otherwise splits over one OpenMP thread per core and
+    # waits for the slowest: with CPU engines keeping the cores busy, one descheduled thread held
+    # every store (BENCHMARKS.md 13.4). Loads (numpy) never used more than their copy thread.
+    torch.set_num_threads(1)
     notifier = Notifier()
     try:
         # SIGHUP re-reads file and environment; the original flags still win.

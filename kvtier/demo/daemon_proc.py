@@ -2,7 +2,7 @@
 
 The daemon runs as its own process (as in production) on a socket in a fresh
 temporary directory, so it never collides with a system daemon. It runs the
-same ``kvtier`` package as the caller (PYTHONPATH points at it).
+same ``kvtier`` package as the caller (PYTHONPATH points at it; its cwd is its own directory).
 
 Primitive: ``with PrivateDaemon(pool_size="1GiB") as d: Client(d.socket)``.
 """
@@ -35,7 +35,9 @@ class PrivateDaemon:
         cmd = [sys.executable, "-m", "kvtier.daemon", "--socket", self.socket, "--pool-size", pool_size,
                "--slab-size", slab_size, "--log-level", log_level, *extra]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # Its own directory as cwd: with ``-m`` the cwd comes first on sys.path, so a caller in
+        # another checkout's directory would otherwise start that checkout's daemon.
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=self.dir)
         self._wait_ready(timeout)
 
     def _wait_ready(self, timeout: float) -> None:

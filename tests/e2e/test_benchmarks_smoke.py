@@ -189,3 +189,28 @@ def test_bench_lru_times_touch_insert_and_eviction_for_both_trees():
     lines = out.splitlines()
     assert [ln.split()[0] for ln in lines] == ["before", "this"]
     assert all("touch" in ln and "insert" in ln and "evict" in ln and "B/entry" in ln for ln in lines)
+
+
+def test_bench_mirror_stores_times_the_three_daemons_and_counts_rehashes():
+    out = json.loads(script("bench_mirror_stores.py", "--stores", "400", "--blocks", "8", "--json"))
+    assert [r[0] for r in out["rows"]] == ["off", "on", "on-quiet"]
+    assert all(r[1] > 0 and r[4] > 0 for r in out["rows"])  # every daemon's stores evicted
+    assert out["rehashes_in_process"] >= 0 and out["pool_blocks"] == 2048
+
+
+def test_bench_store_threads_times_both_daemons_quiet_and_busy():
+    out = json.loads(script("bench_store_threads.py", "--before", REPO, "--stores", "10", "--blocks", "2",
+                            "--hogs", "1", "--json"))
+    assert [r[:2] for r in out["rows"]] == [["quiet", "before"], ["quiet", "after"],
+                                            ["1 busy processes", "before"], ["1 busy processes", "after"]]
+    assert all(r[2] > 0 and r[4] >= 0 for r in out["rows"])
+
+
+@pytest.mark.parametrize("name, args", [("bench_mirror_stores.py", ["--stores", "10"]),
+                                        ("bench_mirror_stores.py", ["--tree", "/nonexistent"]),
+                                        ("bench_store_threads.py", ["--before", "/nonexistent"]),
+                                        ("bench_store_threads.py", ["--before", REPO, "--blocks", "99"])])
+def test_the_mirror_and_thread_benchmarks_refuse_what_cannot_run(name, args):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
