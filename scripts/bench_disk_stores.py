@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-# Feeds BENCHMARKS.md sections 13.1 and 13.2.
+# Feeds BENCHMARKS.md sections 13.1, 13.2, 13.3 and 13.5.
 """What the disk tier costs a store, against the tier off and another checkout.
 
     python scripts/bench_disk_stores.py --stores 200 --baseline /path/to/other/checkout [--reps 3] [--dir /var/tmp]
@@ -23,7 +23,7 @@ import statistics
 import tempfile
 import time
 
-from bench_disk import BLOCK, LAYERS, NS, SHAPE, daemon, disk_stats
+from bench_disk import BLOCK, LAYERS, NS, SHAPE, daemon, disk_stats, key
 from benchlib import add_json_flag, emit, machine_notes, stop_daemon, table
 
 from kvtier.client import Client, ShmKVCache
@@ -37,8 +37,7 @@ def store_latencies(sock: str, kv, n: int, tag: int) -> list[float]:
         c.register_kv_cache(kv, [0] * LAYERS, NS)
         out = []
         for i in range(n):
-            hs = [bytes([tag]) + i.to_bytes(4, "little") + j.to_bytes(2, "little") + bytes(9)
-                  for j in range(STORE_CHAIN)]
+            hs = [key(tag, i, j) for j in range(STORE_CHAIN)]
             t0 = time.perf_counter()
             assert c.store(hs, list(range(i % 16 * STORE_CHAIN, (i % 16 + 1) * STORE_CHAIN))).wait().ok
             out.append(time.perf_counter() - t0)

@@ -29,7 +29,7 @@ import time
 import benchlib as bl
 import torch
 
-from bench_disk import LAYERS, NS, SHAPE
+from bench_disk import LAYERS, NS, SHAPE, key
 from kvtier.client import Client, ShmKVCache
 from kvtier.demo.daemon_proc import PrivateDaemon
 
@@ -56,7 +56,7 @@ def phase(clients: dict, daemons: dict, stores: int, blocks: int, tag: int) -> d
     cpu0 = {k: cpu_s(d.proc.pid) for k, d in daemons.items()}
     for i in range(stores):
         for name in (list(clients) if i % 2 else list(clients)[::-1]):
-            hs = [bytes([tag]) + i.to_bytes(4, "little") + j.to_bytes(2, "little") + bytes(9) for j in range(blocks)]
+            hs = [key(tag, i, j) for j in range(blocks)]
             t0 = time.perf_counter()
             if not clients[name].store(hs, list(range(i % 8 * blocks, (i % 8 + 1) * blocks))).wait().ok:
                 raise SystemExit(f"{name}: store {i} failed")
