@@ -56,6 +56,7 @@ import heapq
 import itertools
 from collections import Counter
 
+from ..pool import shardmap
 from .format import file_bytes
 from .shares import DiskShares
 
@@ -179,7 +180,12 @@ class DiskIndex:
             if old.seq >= entry.seq:
                 return [entry]
             self.remove(old)  # may forget the namespace's map: taken again below
-        self.namespaces.setdefault(entry.ns_key, {})[entry.key] = entry
+        entries = self.namespaces.get(entry.ns_key)
+        if entries is None:
+            entries = self.namespaces[entry.ns_key] = {}
+        entries[entry.key] = entry
+        if type(entries) is dict and len(entries) > shardmap.SPLIT_AT:  # in shards: no insert rebuilds it all
+            self.namespaces[entry.ns_key] = shardmap.grown(entries)
         self.ns_bytes[entry.ns_key] += entry.size
         self.count += 1
         self.used += entry.file_bytes

@@ -47,6 +47,7 @@ from .policy import EvictionPolicy, LRUPolicy
 from .prefix import ready_prefix
 from .keys import owner_of
 from .shares import TenantShares
+from .shardmap import get_many, grown
 from .slots import SlotMap
 
 MAX_NAMESPACES = 4096
@@ -130,14 +131,16 @@ class BlockIndex:
         # chain: making room must not evict them (the new blocks would be unreachable).
         if ns.hidden:  # keys a flush hid are stored anew, not skipped
             self.drains.revive(ns, keys)
-        ready, writing, hidden = ns.ready_map, ns.writing, ns.hidden
-        held = [e for e in map(ns.entry if hidden else ready.get, keys) if e is not None and e.state == READY]
+        writing = ns.writing
+        # Each key's entry: READY (ready map) or, while a flush drains, in any of the maps.
+        found = list(map(ns.entry, keys)) if ns.hidden else get_many(ns.ready_map, keys)
+        held = [e for e in found if e is not None and e.state == READY]
         for e in held:
             e.pins += 1
         try:
             todo = {}  # new key -> its first index (a key twice in one store is written once)
             for i, key in enumerate(keys):
-                if key in ready or key in writing or key in todo or (hidden and ns.entry(key) is not None):
+                if found[i] is not None or key in writing or key in todo:
                     plan.skipped.append(i)
                 else:
                     todo[key] = i
@@ -175,6 +178,7 @@ class BlockIndex:
                 committed.append(e)
         plan.ns.ready += len(committed)
         plan.ns.ready_map.update((e.key, e) for e in committed)
+        plan.ns.ready_map = grown(plan.ns.ready_map)  # in shards past SPLIT_AT: no rebuild of it all
         self.policy.insert_chain(committed)  # head of the chain ends most recent
         if self.record_events:
             self._events.extend(("stored", plan.ns.key, e.key) for e in committed)
@@ -185,7 +189,7 @@ class BlockIndex:
         return len(committed)
 
     def prepare_load(self, ns: Bucket, keys: list[bytes]) -> LoadPlan:
-        plan = LoadPlan(ns, list(map(ns.ready_map.get, keys)), [])
+        plan = LoadPlan(ns, get_many(ns.ready_map, keys), [])
         found = []
         for i, e in enumerate(plan.entries):
             if e is None:
@@ -245,6 +249,7 @@ class BlockIndex:
             out.append(e)
         adopted = [e.key for e in out if e is not None]
         ns.ready += len(adopted)
+        ns.ready_map = grown(ns.ready_map)
         if self.mirror is not None and adopted:
             self.mirror.stored(ns, adopted)
         return out
@@ -270,7 +275,7 @@ class BlockIndex:
 
     def ready_entries(self, ns: Bucket, keys: list[bytes]) -> list[Entry]:
         """The READY entries among ``keys`` (in their order; missing ones left out)."""
-        return [e for e in map(ns.ready_map.get, keys) if e is not None]
+        return [e for e in get_many(ns.ready_map, keys) if e is not None]
 
     def forget_empty(self, keep) -> list[Bucket]:
         """Forget namespaces with no entries that are not in ``keep`` (registrations,

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from itertools import takewhile
 
+from .shardmap import fetch
 
-def ready_prefix(ready: dict, keys: list) -> list:
-    """Entries of the longest prefix of ``keys`` found in ``ready``.
+
+
+def ready_prefix(ready, keys: list) -> list:
+    """Entries of the longest prefix of ``keys`` found in ``ready`` (a dict or a ``ShardedMap``).
 
     Bisection finds L with keys[L - 1] ready and keys[L] not (log2(n) probes;
     a hash chain whose suffixes are evicted first is ready up to one point),
@@ -23,6 +26,6 @@ def ready_prefix(ready: dict, keys: list) -> list:
         else:
             hi = mid
     try:
-        return list(map(ready.__getitem__, keys[:lo]))
+        return fetch(ready, keys[:lo])
     except KeyError:
         return list(map(ready.__getitem__, takewhile(ready.__contains__, keys)))

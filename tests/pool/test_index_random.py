@@ -123,6 +123,22 @@ def test_random_workload_stays_consistent(seed):
     assert w.idx.evictions > 20 and w.tally["no_space"] > 0 and w.tally["flushed"] > 0
 
 
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_workload_stays_consistent_with_its_ready_maps_in_shards(seed, monkeypatch):
+    """The same workload with maps moved into shards past 2 entries (pool/shardmap.py)."""
+    from kvtier.pool import shardmap
+    monkeypatch.setattr(shardmap, "SPLIT_AT", 2)
+    w = Workload(seed)
+    sharded = 0
+    for _ in range(1500):
+        w.step(w.rng.choice(OPS))
+        w.check()
+        sharded += any(isinstance(ns.ready_map, shardmap.ShardedMap) for ns in w.nss)
+    w.tally["flushed"] += w.idx.flush()
+    w.check()
+    assert sharded > 500 and w.idx.evictions > 20 and w.tally["flushed"] > 0
+
+
 def _some_entry(idx):
     return next(iter(idx.namespaces["model-a"].all_entries().values()))
 
