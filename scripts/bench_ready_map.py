@@ -11,7 +11,8 @@ longest of each, and how many stores took over 10 ms. CPython's collector is
 frozen after the fill, as the daemon's is (``gc_freeze``), so the pauses left
 are the index's own.
 
-    python scripts/bench_ready_map.py [--blocks 2097152] [--churn 3000000] [--chain 32] [--tree DIR] [--json FILE]
+    python scripts/bench_ready_map.py [--blocks 2097152] [--churn 3000000] [--chain 32] [--tree DIR]
+                                      [--split-at N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> int:
     ap.add_argument("--churn", type=int, default=3_000_000, help="blocks stored after the pool is full")
     ap.add_argument("--chain", type=int, default=32, help="blocks per store")
     ap.add_argument("--tree", default=REPO)
+    ap.add_argument("--split-at", type=int, default=0,
+                    help="shardmap.SPLIT_AT for this run (0: the tree's own; ignored by trees without it)")
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH")
     a = ap.parse_args()
     if a.blocks < 1024 or a.churn < 0 or not 1 <= a.chain <= 1024:
@@ -41,6 +44,12 @@ def main() -> int:
     sys.path[:0] = [os.path.abspath(a.tree), os.path.join(REPO, "scripts")]
     sys.path.append(REPO)
     from kvtier.pool import BlockIndex, LRUPolicy, SlabAllocator
+    if a.split_at:
+        try:
+            from kvtier.pool import shardmap
+            shardmap.SPLIT_AT = a.split_at
+        except ImportError:
+            pass
 
     from benchlib import emit, machine_notes, table
 

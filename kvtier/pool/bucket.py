@@ -27,7 +27,8 @@ class Bucket:
     block_bytes: int
     cls: int
     # Every entry is in exactly one of three places, so a block costs one dict slot, not two:
-    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries lookups see
+    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries lookups see (a ShardedMap
+    #                                                past shardmap.SPLIT_AT: the index swaps it in)
     writing: dict = field(default_factory=dict)    # key -> Entry, being written (not READY yet)
     hidden: list = field(default_factory=list)  # ready maps a flush detached, still draining (drain.py)
     stats: Counter = field(default_factory=Counter)

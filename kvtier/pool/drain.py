@@ -100,7 +100,7 @@ class Drains:
                 k = min(n, len(hidden))
                 n -= k
                 for _ in range(k):
-                    key, e = hidden.popitem()  # newest first: a chain goes from its tail
+                    key, e = hidden.popitem()  # a dict's newest first; a ShardedMap's by shard (nobody sees either)
                     if e.pins:  # a transfer reads it: kept, and visible again
                         ns.ready_map[key] = e
                         job.kept += 1

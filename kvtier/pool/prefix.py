@@ -7,7 +7,6 @@ from itertools import takewhile
 from .shardmap import fetch
 
 
-
 def ready_prefix(ready, keys: list) -> list:
     """Entries of the longest prefix of ``keys`` found in ``ready`` (a dict or a ``ShardedMap``).
 

@@ -8,7 +8,11 @@ stored) held the loop 139 ms in one insert every ~1M inserts, and a rebuild
 grows with the map (BENCHMARKS.md 18.12).
 
 A map starts as a plain dict, so namespaces up to ``SPLIT_AT`` entries pay
-nothing; past it the index swaps in a ``ShardedMap`` (``grown``): ``SHARDS``
+nothing: shards cost every op a Python call per key, which made the public
+trace's replay with 560k-block namespaces 9-10% slower (BENCHMARKS.md 18.12),
+so they start where one dict's rebuild would exceed a 1M-entry one's (~70 ms),
+the one-time split costing about one such rebuild. Past it the index swaps in
+a ``ShardedMap`` (``grown``): ``SHARDS``
 dicts, a key's shard chosen by its hash. Python's hash of bytes is keyed per
 process (SipHash, a random seed), so a tenant cannot aim its keys at one
 shard, and it is computed once per key object and cached, which the shard's
@@ -31,7 +35,7 @@ from typing import Iterable, Iterator
 
 SHARDS = 256
 MASK = SHARDS - 1
-SPLIT_AT = 1 << 15  # a plain dict up to here: its rebuild ~2 ms, the split into shards ~5 ms, once
+SPLIT_AT = 1 << 20  # a plain dict up to here (a rebuild of it ~70 ms): shards cost a 2M-block replay 9-10% (18.12)
 _NONE = object()
 
 

@@ -214,3 +214,11 @@ def test_the_mirror_and_thread_benchmarks_refuse_what_cannot_run(name, args):
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_ready_map_times_stores_lookups_and_loads_of_a_namespace_in_shards():
+    out = json.loads(script("bench_ready_map.py", "--blocks", "70000", "--churn", "3200", "--split-at", "4096",
+                            "--json"))
+    assert out["ready_map"] == "ShardedMap" and out["blocks"] > 65000 and out["evictions"] == 3200
+    assert [r[0].split()[0] for r in out["rows"]] == ["store", "lookup", "load"]
+    assert all(r[1] > 0 and r[3] > 0 for r in out["rows"])
