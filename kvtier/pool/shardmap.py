@@ -15,8 +15,10 @@ the one-time split costing about one such rebuild. Past it the index swaps in
 a ``ShardedMap`` (``grown``): ``SHARDS``
 dicts, a key's shard chosen by its hash. Python's hash of bytes is keyed per
 process (SipHash, a random seed), so a tenant cannot aim its keys at one
-shard, and it is computed once per key object and cached, which the shard's
-own lookup then reuses. Each shard rebuilds on its own, at 1/``SHARDS`` of
+shard (with ``PYTHONHASHSEED`` fixed in the daemon's environment it could, in
+its own namespace: that shard then rebuilds like one dict, as without shards),
+and it is computed once per key object and cached, which the shard's own
+lookup then reuses. Each shard rebuilds on its own, at 1/``SHARDS`` of
 the map: at 32M entries in one namespace a rebuild is ~125k entries.
 
 It keeps the dict API the index uses (``get``, ``in``, ``[]``, ``pop``,
