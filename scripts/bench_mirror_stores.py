@@ -37,11 +37,6 @@ def keys_of(tag: str, n: int) -> list[bytes]:
     return [hashlib.blake2b(f"{tag}.{j}".encode(), digest_size=16).digest() for j in range(n)]
 
 
-def pcts(xs: list[float]) -> list[float]:
-    xs = sorted(xs)
-    return [xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3 for q in (0.5, 0.9, 0.99)]
-
-
 def rehashes(pool_blocks: int, blocks: int, stores: int) -> int:
     """Rehashes of a mirror table of ``pool_blocks`` keys under the daemon's churn: each
     store adds ``blocks`` new keys and its eviction pass removes the oldest ``blocks``."""
@@ -91,7 +86,7 @@ def main() -> int:
     os.chdir(a.tree)  # the daemons run ``-m kvtier.daemon``, which puts the cwd first on sys.path
     import torch
 
-    from benchlib import emit, machine_notes, parse_size, table
+    from benchlib import emit, machine_notes, parse_size, pct, release, table
     from kvtier.client import Client, Namespace, ShmKVCache
     from kvtier.demo.daemon_proc import PrivateDaemon
 
@@ -131,15 +126,10 @@ def main() -> int:
                     lat[mode].append(time.perf_counter() - t0)
         evicted = {m: sum(r["evicted"] for r in c.stats()["namespaces"]) for m, c in clients.items()}
     finally:
-        for c in clients.values():
-            c.close()
-        for d in daemons.values():
-            d.stop()
-        for kv in kvs:
-            kv.close()
+        release(clients.values(), daemons.values(), kvs)
     load1 = os.getloadavg()
-    rows = [[m, *pcts(v), evicted[m]] for m, v in lat.items()]
-    off50 = pcts(lat["off"])[0]
+    rows = [[m, *(pct(v, q) * 1e3 for q in (50, 90, 99)), evicted[m]] for m, v in lat.items()]
+    off50 = pct(lat["off"], 50) * 1e3
     rows = [r + [r[1] / off50] for r in rows]
     n_rehash = rehashes(pool // bb, a.blocks, a.stores)
     report = {"tree": os.path.abspath(a.tree), "block_bytes": bb, "blocks": a.blocks, "stores": a.stores,

@@ -104,12 +104,7 @@ def main() -> int:
     finally:
         for p in hogs:
             p.kill()
-        for c in clients.values():
-            c.close()
-        for d in daemons.values():
-            d.stop()
-        for kv in kvs:
-            kv.close()
+        bl.release(clients.values(), daemons.values(), kvs)
     rows = [[ph, name, *res[name]] for ph, res in (("quiet", quiet), (f"{a.hogs} busy processes", busy))
             for name in trees]
     report.update(rows=rows, load=load)

@@ -193,6 +193,17 @@ def stop_daemon(proc, timeout: float = 120) -> float:
     return time.perf_counter() - t0
 
 
+def release(clients=(), daemons=(), caches=()) -> None:
+    """End a benchmark's engines in order: clients closed (their transfers cancelled), then
+    the private daemons stopped, then the engines' KV caches closed (no daemon maps them)."""
+    for c in clients:
+        c.close()
+    for d in daemons:
+        d.stop()
+    for kv in caches:
+        kv.close()
+
+
 def _probe(ready, socket: str) -> bool:
     try:
         return ready is None or bool(ready(socket))

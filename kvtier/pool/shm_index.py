@@ -144,12 +144,11 @@ class ShmIndexWriter:
             slots = np.unique(t.find(h[:, 0], h[:, 1]))
             slots = slots[slots >= 0]
             # In a bucket with an empty slot a removed slot is empty too, not a tombstone (docstring).
-            tomb = slots[~(t.state_rows[slots // BUCKET] == EMPTY).any(1)]
-            t.state[slots] = EMPTY
-            t.state[tomb] = TOMB
+            tomb = ~(t.state_rows[slots // BUCKET] == EMPTY).any(1)
+            t.state[slots] = np.where(tomb, TOMB, EMPTY)
             t.k0[slots] = 0  # a removed slot never matches a hash's first 8 bytes
             t.header[COUNT_W] -= np.uint64(len(slots))
-            t.header[TOMB_W] += np.uint64(len(tomb))
+            t.header[TOMB_W] += np.uint64(int(tomb.sum()))
 
     def clear(self) -> None:
         """Empty the table (and lift an overflow: the daemon re-adds what is ready)."""
