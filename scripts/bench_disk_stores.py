@@ -6,7 +6,8 @@
 
 One engine stores N new chains of 16 blocks (4 MiB) back to back, waiting for
 each reply, into a 64 MiB pool (write-behind queue 16 MiB, so the disk falls
-behind and the pool evicts), per store p50/p99 in ms; daemons of this
+behind and the pool evicts), per store p50/p99 in ms and the daemon's CPU
+per store (its loop thread; its other threads: copies, disk I/O); daemons of this
 checkout with the disk tier on and off, and of ``--baseline DIR`` (another
 checkout) with it on, alternating per rep. Also what each run wrote and did
 not write. (Loads, the I/O method and lookups: ``bench_disk.py``.)
@@ -23,6 +24,7 @@ import statistics
 import tempfile
 import time
 
+import psutil
 from bench_disk import BLOCK, LAYERS, NS, SHAPE, daemon, disk_stats, key
 from benchlib import add_json_flag, emit, machine_notes, stop_daemon, table
 
@@ -47,6 +49,7 @@ def store_latencies(sock: str, kv, n: int, tag: int) -> list[float]:
 def bench_stores(a, work: str, kv) -> dict:
     sides = {"baseline, disk on": (a.baseline, True), "this, disk on": (None, True), "this, disk off": (None, False)}
     got: dict = {name: [] for name in sides}
+    cpu: dict = {name: [] for name in sides}  # (loop thread, the others) CPU ms per store
     written: dict = {name: [] for name in sides}
     sock = os.path.join(work, "s.sock")
     for rep in range(a.reps):
@@ -54,7 +57,11 @@ def bench_stores(a, work: str, kv) -> dict:
             repo, on = sides[name]
             root = os.path.join(work, f"disk-{rep}-{len(got[name])}-{int(on)}")
             d = daemon(sock, root if on else "", 4 << 30, 64 << 20, 4, repo)
+            before = thread_cpu(d.pid)
             lat = store_latencies(sock, kv, a.stores, rep + 1)
+            after = thread_cpu(d.pid)
+            loop = after.get(d.pid, 0.0) - before.get(d.pid, 0.0)
+            cpu[name].append((loop * 1e3 / a.stores, (sum(after.values()) - sum(before.values()) - loop) * 1e3 / a.stores))
             time.sleep(2)  # the write-behind catches up (or not): what was written and what was not
             s = disk_stats(sock)
             stop_daemon(d)
@@ -62,11 +69,19 @@ def bench_stores(a, work: str, kv) -> dict:
             got[name].append((statistics.median(lat) * 1e3, sorted(lat)[int(len(lat) * 0.99) - 1] * 1e3))
             written[name].append({k: s.get(k) for k in ("written", "queue_full", "not_written") if k in s})
     rows = [[name, round(statistics.median(x[0] for x in v), 2), round(statistics.median(x[1] for x in v), 2),
-             "; ".join(f"{p50:.2f}/{p99:.2f}" for p50, p99 in v), written[name][-1]] for name, v in got.items()]
-    return {"table": table(["daemon", "store p50 ms", "store p99 ms", "runs p50/p99", "last run: written, not"],
+             "; ".join(f"{p50:.2f}/{p99:.2f}" for p50, p99 in v),
+             "; ".join(f"{lp:.2f}/{other:.2f}" for lp, other in cpu[name]), written[name][-1]]
+            for name, v in got.items()]
+    return {"table": table(["daemon", "store p50 ms", "store p99 ms", "runs p50/p99",
+                            "daemon CPU ms/store: loop/other threads", "last run: written, not"],
                            rows, f"{a.stores} stores of {STORE_CHAIN} x {format_size(BLOCK)} into a 64 MiB pool, "
                            f"reps alternating, baseline {a.baseline}"),
-            "runs": got, "written": written}
+            "runs": got, "written": written, "cpu_ms_per_store": cpu}
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each of the daemon's threads, by thread id (the loop's is the pid)."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
 
 
 def main(argv=None) -> int:
@@ -91,7 +106,8 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
         kv.close()
     note = f"Load average at start {load1[0]:.2f}, at end {os.getloadavg()[0]:.2f}; {os.cpu_count()} CPUs"
-    emit({"machine": machine_notes(), "stores": out["runs"], "written": out["written"]}, [note, out["table"]], a.json)
+    emit({"machine": machine_notes(), "stores": out["runs"], "written": out["written"],
+          "cpu_ms_per_store": out["cpu_ms_per_store"]}, [note, out["table"]], a.json)
     return 0
 
 

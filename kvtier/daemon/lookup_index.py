@@ -28,7 +28,7 @@ nothing behind. On CPUs without x86 memory ordering there are no mirrors
 Primitives: ``LookupIndexes(pool_bytes, budget).segment_for(bucket, ready_keys)``, ``.stored(bucket, keys)``,
 ``.removed(bucket, key)`` (``with .batch():`` one write per table), ``.cleared(bucket)``, ``.forget(bucket)``, ``.tables``, ``.bytes``, ``.close()``,
 ``.open_for(clients, peer, name) -> fd | why`` (a read-only descriptor for a registered process);
-the disk tier's side: ``.attach_lower(tier)`` (``tier.keys_of(ns_key)``, ``tier.on_disk(ns_key, key)``),
+the disk tier's side: ``.attach_lower(tier)`` (``tier.keys_of(ns_key)``, ``tier.on_disk(ns_key, key)``, ``tier.keys_on_disk(ns_key)``),
 ``.disk_stored(ns_key, keys)``, ``.disk_removed(ns_key, keys)`` (keys RAM still holds stay), ``.disk_cleared(ns_key)``.
 """
 
@@ -120,11 +120,12 @@ class LookupIndexes:
         """A ready block left RAM: still a hit while its file is on disk. Inside
         ``batch()`` the removal waits for the batch's end."""
         entry = self._writers.get(bucket.key)
-        if entry is not None and not (self.lower is not None and self.lower.on_disk(bucket.key, key)):
-            if self._batch is None:
-                entry[0].remove([key])
-            else:
-                self._batch.setdefault(bucket.key, []).append(key)
+        if entry is None:
+            return
+        if self._batch is not None:  # the disk is asked once per table, at the batch's end
+            self._batch.setdefault(bucket.key, []).append(key)
+        elif not (self.lower is not None and self.lower.on_disk(bucket.key, key)):
+            entry[0].remove([key])
 
     def batch(self) -> "_RemovalBatch":
         """``with mirrors.batch(): ...`` - removals within it reach each table as one
@@ -143,7 +144,8 @@ class LookupIndexes:
         for key, keys in pending.items():
             entry = self._writers.get(key)
             if entry is not None:
-                entry[0].remove(keys)
+                on_disk = self.lower.keys_on_disk(key) if self.lower is not None else ()
+                entry[0].remove([k for k in keys if k not in on_disk] if on_disk else keys)
 
     def disk_stored(self, ns_key: str, keys: list[bytes]) -> None:
         entry = self._writers.get(ns_key)

@@ -28,7 +28,7 @@ Hooks (marked ``# disk tier hook`` where the daemon calls them):
                        True = answered later
   cancel(...) -> bool  a Cancel names a load waiting on the disk: answered failed now
   poll()               the I/O wakeup fd is readable: finish what completed
-  keys_of(ns_key), on_disk(ns_key, key)
+  keys_of(ns_key), on_disk(ns_key, key), keys_on_disk(ns_key)
                        the lookup mirror's lower tier (daemon/lookup_index.py): what the
                        disk holds is a hit too; stored()/removed() keep the mirror in step
 
@@ -69,7 +69,7 @@ class DiskBridge:
         self.counters: Counter = Counter()
         self.queued = 0                 # write-behind bytes held in the pool
         self.backlog = WriteBacklog(backlog_bytes or queue_bytes * 4)  # committed, waiting for queue room
-        self.writing: set = set()       # (ns key, block key) being written
+        self.writing: dict = {}         # ns key -> {block key} being written (forgotten when none are)
         # ns key -> flushes while it had reads or writes in flight (a result finishing after one is
         # dropped); forgotten with its last job, so cycling namespaces leaves nothing behind.
         self.generation: Counter = Counter()
@@ -156,10 +156,11 @@ class DiskBridge:
     def committed(self, plan) -> None:
         ns = plan.ns
         key = ns.key
-        on_disk = self.dindex.entries_of(key) or {}
+        on_disk = self.dindex.entries_of(key) or ()
+        writing = self.writing.get(key, ())
         is_ready = self.index.is_ready
         keys = [e.key for e in plan.entries if e is not None and is_ready(e)
-                and e.key not in on_disk and (key, e.key) not in self.writing]
+                and e.key not in on_disk and e.key not in writing]
         if keys and self._enqueue(ns, keys):
             self._feed()  # in memory (pins, a queued job): under 1% of a store's samples (docs/DISK_TIER.md)
 
@@ -210,14 +211,11 @@ class DiskBridge:
                 return
             tenant, ns, keys = turn
             key, size = ns.key, ns.block_bytes
-            on_disk = self.dindex.entries_of(key) or {}
-            entries = []
-            for k in keys:
-                e = self.index.ready_entry(ns, k)
-                if e is None:  # evicted (or flushed) before its turn
-                    self.backlog.lost(tenant, "evicted")
-                elif k not in on_disk and (key, k) not in self.writing:
-                    entries.append(e)
+            on_disk = self.dindex.entries_of(key) or ()
+            writing = self.writing.get(key, ())
+            ready = self.index.ready_entries(ns, keys)
+            self.backlog.lost(tenant, "evicted", len(keys) - len(ready))  # (or flushed) before its turn
+            entries = [e for e in ready if e.key not in on_disk and e.key not in writing]
             if not entries:
                 continue
             n = len(entries)
@@ -230,8 +228,8 @@ class DiskBridge:
             self._fit_later()
             self.index.pin(entries)
             self.queued += n * size
-            self.writing.update((key, e.key) for e in entries)
-            items = [(key, e.key, self.io.next_seq(), e.offset) for e in entries]
+            self.writing.setdefault(key, set()).update(e.key for e in entries)
+            items = [(key, e.key, seq, e.offset) for e, seq in zip(entries, self.io.next_seqs(n))]
             self.in_flight[key] += n
             self.io.write(items, size, ("write", entries, self.generation[key]))
 
@@ -241,20 +239,22 @@ class DiskBridge:
         key = job.items[0][0]
         self.index.unpin(entries)
         self.queued -= len(entries) * size
-        self.writing.difference_update((key, e.key) for e in entries)
+        writing = self.writing[key]
+        writing.difference_update(e.key for e in entries)
+        if not writing:
+            del self.writing[key]
         self.dindex.release(len(entries) * file_bytes(size), owner_of(key))
         stale = gen != self.generation[key]  # flushed while being written
         self.landed(key, len(entries))
-        unannounced, added = [], []
-        for i, crc, path in job.ok:
-            _, k, seq, _ = job.items[i]
-            entry = DiskEntry(key, k, seq, size, crc, path)
-            replaced = [entry] if stale else self.dindex.add(entry, limit=0)  # room: below, in one slice
-            if replaced:  # stale, or one of two copies of a block that stays on disk: no event
-                unannounced += [v.path for v in replaced]
-            else:
-                added.append(k)
-        self.stored(key, added)
+        items = job.items
+        files = [DiskEntry(key, items[i][1], items[i][2], size, crc, path) for i, crc, path in job.ok]
+        if stale:
+            unannounced = [v.path for v in files]
+        else:  # one job's files at once; room: below, in one slice
+            dropped = self.dindex.add_written(key, files)
+            unannounced = [v.path for v in dropped]  # one of two copies of a block that stays on disk: no event
+            twice = {v.key for v in dropped}
+            self.stored(key, [v.key for v in files if v.key not in twice] if twice else [v.key for v in files])
         self.counters["write_failed"] += len(job.failed)
         self.backlog.lost(owner_of(key), "failed", len(job.failed))
         self.io.unlink(unannounced, self.emptied([key]))
@@ -297,6 +297,10 @@ class DiskBridge:
 
     def on_disk(self, ns_key: str, key: bytes) -> bool:
         return key in (self.dindex.entries_of(ns_key) or ())
+
+    def keys_on_disk(self, ns_key: str):
+        """The namespace's blocks on disk, to test many keys against (read-only; () if none)."""
+        return self.dindex.entries_of(ns_key) or ()
 
     def emptied(self, ns_keys) -> list[str]:
         """Namespaces with nothing left on disk and nothing in flight: their directories go
@@ -348,7 +352,7 @@ class DiskBridge:
         """A batch of the start-up scan: indexed (lookups count them now) and announced."""
         extra, added = [], {}
         for entry in entries:
-            if (entry.ns_key, entry.key) in self.writing:  # rewritten now: the new file wins
+            if entry.key in self.writing.get(entry.ns_key, ()):  # rewritten now: the new file wins
                 extra.append(entry)
                 continue
             replaced = self.dindex.add(entry, found=True)  # fitted to disk_size once all are found

@@ -37,6 +37,7 @@ Primitives:
   release(nbytes, tenant=None)             a reserved write ended (added or failed)
   add(entry, found=False) -> [victims]     a complete file (found: by the scan, not fitted yet);
                                            an older copy of its key is a victim
+  add_written(ns_key, entries) -> [not kept]  one write job's files at once (not fitted)
   shrink(limit=None) -> [victims]          fit within capacity, at most ``limit`` victims per call
   over -> bool                             more to drop before ``used + reserved`` fits
   remove(entry) -> bool, touch(entry)       touch: a use (O(1); the heap catches up when it pops it)
@@ -195,6 +196,43 @@ class DiskIndex:
             return [old] if old is not None else []
         self._push(entry, max(self._newest + 1, entry.seq))
         return ([old] if old is not None else []) + self.shrink(limit)
+
+    def add_written(self, ns_key: str, entries: list[DiskEntry]) -> list[DiskEntry]:
+        """``add`` for one write job's files (one namespace, one size, written by this daemon:
+        newer than any other), the bookkeeping once per job rather than per file (the write
+        completions were most of what a disk tier cost the loop). Not fitted: the caller drops
+        what exceeds capacity a slice at a time (``shrink``). Returns the copies not kept."""
+        m = self.namespaces.get(ns_key)
+        if m is None:
+            m = self.namespaces[ns_key] = {}
+        heap, push, count, pushed = self._heap, heapq.heappush, self._n, self.shares.pushed
+        out, fresh, newest = [], 0, self._newest
+        for entry in entries:
+            if entry.key in m:  # another copy (a rewrite racing the scan): the general path decides
+                self._newest = newest
+                out += self.add(entry, limit=0)
+                newest = self._newest
+                m = self.namespaces[ns_key]  # (a removal of the last entry may have made it anew)
+                continue
+            m[entry.key] = entry
+            newest = max(newest + 1, entry.seq)
+            entry.age = entry.used = newest
+            item = (newest, next(count), entry)
+            push(heap, item)
+            pushed(entry, item)
+            fresh += 1
+        self._newest = newest
+        if fresh:
+            size = entries[0].size
+            if type(m) is dict and len(m) > shardmap.SPLIT_AT:
+                self.namespaces[ns_key] = shardmap.grown(m)
+            self.ns_bytes[ns_key] += fresh * size
+            self.count += fresh
+            self.used += fresh * file_bytes(size)
+            self.shares.added_bytes(ns_key, fresh * file_bytes(size))
+            if newest > self.ns_newest.get(ns_key, -1):
+                self.ns_newest[ns_key] = newest
+        return out
 
     def remove(self, entry: DiskEntry) -> bool:
         entries = self.namespaces.get(entry.ns_key)

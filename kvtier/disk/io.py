@@ -96,8 +96,9 @@ class DiskIO:
     def wakeup_fd(self) -> int:
         return self._done.fd
 
-    def next_seq(self) -> int:
-        return next(self._seq)
+    def next_seqs(self, n: int) -> list[int]:
+        """File sequence numbers for ``n`` new files (time-based: a later daemon's are newer)."""
+        return list(itertools.islice(self._seq, n))
 
     def path_of(self, ns_key: str, key: bytes, seq: int) -> str:
         return os.path.join(self.root, ns_dir(ns_key), block_name(key, seq))

@@ -56,11 +56,16 @@ ADOPT_BATCH = 1024  # adopted blocks (warm restart) pulled into a backlog at a t
 
 
 class WriteBacklog:
+    # A tenant's FIFO holds runs, (bucket, deque of hashes): a store's blocks join as one run,
+    # so a turn, a flush's forget and the bound's drop work on runs, not on an item per block
+    # (per-block items were most of what the write-behind cost the loop thread).
     def __init__(self, limit_bytes: int):
         self.limit_bytes = limit_bytes
         self.tenants: OrderedDict[str, deque] = OrderedDict()  # turn order: the head goes next
         self.bytes_of: Counter = Counter()   # tenant -> bytes of blocks named in its backlog
-        self.items: set = set()              # (ns key, hash) in any backlog: named once
+        self.blocks_of: Counter = Counter()  # tenant -> blocks named in its backlog
+        self.items: dict = {}                # ns key -> {hash} in any backlog: named once
+        self.blocks = 0
         self.nbytes = 0
         self.not_written_: Counter = Counter()  # (tenant, why) -> blocks
 
@@ -68,26 +73,26 @@ class WriteBacklog:
         """Whether the urgent writer should help: from half the bound, until below a quarter."""
         return self.nbytes * (2 if not now else 4) > self.limit_bytes
 
-    @property
-    def blocks(self) -> int:
-        return len(self.items)
-
     def of(self, tenant: str) -> int:
-        q = self.tenants.get(tenant)
-        return len(q) if q is not None else 0
+        return self.blocks_of.get(tenant, 0)
 
     def add(self, tenant: str, ns, keys: list[bytes]) -> None:
         """``keys`` of ``ns`` (committed, not yet on disk) join the tenant's backlog."""
-        fp, size = ns.key, ns.block_bytes
+        named = self.items.get(ns.key)
+        if named is None:
+            named = self.items[ns.key] = set()
+        new = [k for k in dict.fromkeys(keys) if k not in named]
+        if not new:
+            return
+        named.update(new)
         q = self.tenants.get(tenant)
         if q is None:
             q = self.tenants[tenant] = deque()
-        for k in keys:
-            if (fp, k) not in self.items:
-                self.items.add((fp, k))
-                q.append((ns, k))
-                self.bytes_of[tenant] += size
-                self.nbytes += size
+        if q and q[-1][0] is ns:
+            q[-1][1].extend(new)
+        else:
+            q.append((ns, deque(new)))
+        self._counted(tenant, ns, len(new))
         while self.nbytes > self.limit_bytes:  # the longest backlog pays
             self._drop_oldest(max(self.bytes_of, key=self.bytes_of.__getitem__))
 
@@ -102,9 +107,15 @@ class WriteBacklog:
         n = min(BATCH, room_bytes // ns.block_bytes)
         if n <= 0:
             return None
-        keys = []
+        keys: list = []
         while q and len(keys) < n and q[0][0] is ns:
-            keys.append(q.popleft()[1])
+            run = q[0][1]
+            want = n - len(keys)
+            if len(run) <= want:
+                keys += run
+                q.popleft()
+            else:
+                keys += [run.popleft() for _ in range(want)]
         self._taken(tenant, ns, keys)
         if q:
             self.tenants.move_to_end(tenant)  # the others' turn first
@@ -113,18 +124,22 @@ class WriteBacklog:
         return tenant, ns, keys
 
     def namespaces(self) -> list[str]:
-        return list({ns.key for q in self.tenants.values() for ns, _ in q})
+        return list(self.items)
 
     def forget(self, ns_key: str) -> int:
         """A flush: its blocks are gone from every tier, by policy (not counted as lost)."""
+        if ns_key not in self.items:
+            return 0
         n = 0
         for tenant in list(self.tenants):
             q = self.tenants[tenant]
-            keep = deque(item for item in q if item[0].key != ns_key)
-            gone = [item for item in q if item[0].key == ns_key]
-            for ns, k in gone:
-                self._taken(tenant, ns, [k])
-            n += len(gone)
+            gone = [run for run in q if run[0].key == ns_key]
+            if not gone:
+                continue
+            for ns, keys in gone:
+                self._taken(tenant, ns, keys)
+                n += len(keys)
+            keep = deque(run for run in q if run[0].key != ns_key)
             if keep:
                 self.tenants[tenant] = keep
             else:
@@ -147,27 +162,42 @@ class WriteBacklog:
 
     def _drop_oldest(self, tenant: str) -> None:
         q = self.tenants[tenant]
-        ns, k = q.popleft()
+        ns, run = q[0]
+        k = run.popleft()
+        if not run:
+            q.popleft()
         self._taken(tenant, ns, [k])
         if not q:
             del self.tenants[tenant]
         self.lost(tenant, "backlog_full")
 
-    def _taken(self, tenant: str, ns, keys: list) -> None:
-        fp, size = ns.key, ns.block_bytes
-        self.items.difference_update((fp, k) for k in keys)
-        self.bytes_of[tenant] -= size * len(keys)
-        self.nbytes -= size * len(keys)
+    def _counted(self, tenant: str, ns, n: int) -> None:
+        self.blocks_of[tenant] += n
+        self.bytes_of[tenant] += n * ns.block_bytes
+        self.blocks += n
+        self.nbytes += n * ns.block_bytes
+
+    def _taken(self, tenant: str, ns, keys) -> None:
+        named = self.items[ns.key]
+        named.difference_update(keys)
+        if not named:
+            del self.items[ns.key]
+        self._counted(tenant, ns, -len(keys))
         if not self.bytes_of[tenant]:
             del self.bytes_of[tenant]
+        if not self.blocks_of[tenant]:
+            del self.blocks_of[tenant]
 
     def problems(self) -> list[str]:
-        named = [(ns.key, k) for q in self.tenants.values() for ns, k in q]
+        named = [(ns.key, k) for q in self.tenants.values() for ns, run in q for k in run]
+        flat = {(fp, k) for fp, keys in self.items.items() for k in keys}
         out = []
-        if len(named) != len(self.items) or set(named) != self.items:
+        if len(named) != len(flat) or set(named) != flat or len(named) != self.blocks:
             out.append("write backlog: queued items and their set disagree")
-        if any(not q for q in self.tenants.values()):
-            out.append("write backlog: an empty tenant queue kept")
+        if any(not q or any(not run for _, run in q) for q in self.tenants.values()):
+            out.append("write backlog: an empty tenant queue or run kept")
+        if any(not keys for keys in self.items.values()):
+            out.append("write backlog: an empty namespace set kept")
         if self.nbytes > self.limit_bytes:
             out.append(f"write backlog: {self.nbytes} bytes > limit {self.limit_bytes}")
         return out

@@ -46,6 +46,10 @@ class DiskShares:
     def added(self, entry) -> None:
         self.used[owner_of(entry.ns_key)] += entry.file_bytes
 
+    def added_bytes(self, ns_key: str, nbytes: int) -> None:
+        """``added`` for files of one namespace together (``DiskIndex.add_written``)."""
+        self.used[owner_of(ns_key)] += nbytes
+
     def removed(self, entry) -> None:
         t = owner_of(entry.ns_key)
         self.used[t] -= entry.file_bytes

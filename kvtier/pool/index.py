@@ -359,10 +359,13 @@ class BlockIndex:
 
     # The tier below announces its blocks in the same event stream, and the lookup mirror holds them.
     def lower_stored(self, ns_key: str, keys: list[bytes]) -> None:
+        """Blocks the tier below now holds: into the mirror, unless ready here (then they are
+        in it already: a write-behind of blocks still in RAM costs the table nothing)."""
         if self.record_events:
             self._events.extend(("disk_stored", ns_key, k) for k in keys)
         if self.mirror is not None:
-            self.mirror.disk_stored(ns_key, keys)
+            ns = self.namespaces.get(ns_key)
+            self.mirror.disk_stored(ns_key, keys if ns is None else [k for k in keys if k not in ns.ready_map])
 
     def lower_removed(self, ns_key: str, keys: list[bytes]) -> None:
         """Blocks that left the tier below: out of the mirror too, unless ready here."""

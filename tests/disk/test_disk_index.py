@@ -62,6 +62,36 @@ def test_the_oldest_go_first_and_the_newer_copy_of_a_block_stays():
     idx.check_integrity()
 
 
+def ident(entries) -> list:
+    return [(e.ns_key, e.key, e.seq) for e in entries]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.lists(st.tuples(st.integers(0, 9), st.integers(0, 40)),
+                                                      min_size=1, max_size=6)), max_size=12),
+       st.lists(st.integers(0, 40), max_size=5))
+def test_a_write_job_added_at_once_leaves_the_index_one_add_per_file_leaves(jobs, found):
+    """add_written (a write job's files, bookkept once) against add per file: the same copies
+    dropped, then the same least recently used order, the same bytes. Found files first
+    (the scan), so some of a job's blocks have another copy already, older or newer."""
+    one, many = DiskIndex(capacity=10**9), DiskIndex(capacity=10**9)
+    for k in found:
+        for idx in (one, many):
+            idx.add(entry("ns0", k % 10, seq=k), found=True)
+    for ns, files in jobs:
+        files = list({k: (k, seq) for k, seq in files}.values())  # one job names a block once
+        dropped_one = [v for k, seq in files for v in one.add(entry(f"ns{ns}", k, 50 + seq), limit=0)]
+        dropped_many = many.add_written(f"ns{ns}", [entry(f"ns{ns}", k, 50 + seq) for k, seq in files])
+        assert sorted(ident(dropped_many)) == sorted(ident(dropped_one))
+        one.check_integrity()
+        many.check_integrity()
+    assert (one.used, len(one), dict(one.ns_bytes)) == (many.used, len(many), dict(many.ns_bytes))
+    assert one.ns_newest == many.ns_newest
+    for idx in (one, many):
+        idx.capacity = 0
+    assert ident(one.shrink()) == ident(many.shrink())  # everything, least recently used first
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "reserve", "drop", "touch", "hide", "drain"]),
                           st.integers(0, 20), st.integers(0, 3)), max_size=80))
@@ -163,10 +193,6 @@ def test_under_fifo_the_disk_drops_files_in_write_order_whatever_was_used():
 def test_a_policy_the_disk_cannot_follow_is_refused_when_the_index_is_built(policy):
     with pytest.raises(ValueError, match="disk order follows policy"):
         DiskIndex(capacity=file_bytes(100), policy=policy)
-
-
-def ident(entries) -> list:
-    return [(e.ns_key, e.key, e.seq) for e in entries]
 
 
 @settings(max_examples=120, deadline=None)

@@ -137,6 +137,8 @@ def test_bench_disk_stores_times_every_daemon_and_says_what_each_wrote():
     assert set(out["stores"]) == {"baseline, disk on", "this, disk on", "this, disk off"}
     assert all(len(runs) == 1 and min(runs[0]) > 0 for runs in out["stores"].values())
     assert out["written"]["this, disk on"][0]["written"] == 3 * 16  # every block of the 3 stores reached the disk
+    cpu = out["cpu_ms_per_store"]  # per daemon and rep: (loop thread, other threads) ms per store
+    assert set(cpu) == set(out["stores"]) and all(len(r) == 1 and min(r[0]) >= 0 for r in cpu.values())
 
 
 @pytest.mark.parametrize("args", [["--stores", "0"], ["--reps", "0"], ["--baseline", "/nonexistent"]])
