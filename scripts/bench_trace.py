@@ -83,7 +83,10 @@ def key_of(block_id: int) -> bytes:
 def engine_main(index: int, sockets: list[str], block_bytes: int, max_blocks: int, verify_every: int,
                 conn, namespace: str = "bench-trace") -> None:
     """One engine: its own paged cache and client. Commands over ``conn``:
-    ("req", ids) -> (hit, verified, bad, lookup_s, load_s, store_s); None to stop."""
+    ("req", ids) -> (hit, verified, bad, lookup_s, load_s, store_s); ("report", None) -> the
+    mirror's lookup counts sent to the daemon now (they go at most every 0.2 s with a
+    transfer, else on the heartbeat: stats read right after the last request would miss
+    the last ones); None to stop."""
     import traceback
 
     import torch
@@ -99,6 +102,10 @@ def engine_main(index: int, sockets: list[str], block_bytes: int, max_blocks: in
         client.register_kv_cache(kv, [0], Namespace(namespace, "float16", "trace", 512))
         conn.send(("up", None))
         while (cmd := conn.recv()) is not None:
+            if cmd[0] == "report":
+                client.ping()  # reports the counts (a round trip): by its reply they count
+                conn.send(("ok", None))
+                continue
             ids = cmd[1]
             keys = [key_of(b) for b in ids]
             t0 = time.perf_counter()
@@ -192,6 +199,9 @@ def run_scenario(name: str, chains: list[list[int]], capacity: int, args, mirror
                 if x is not None:
                     lat[k].append(x)
         wall = time.perf_counter() - t0
+        for conn in pipes:  # every hit an engine's mirror answered is in the daemon's counts
+            conn.send(("report", None))
+            _answer(conn)
         rss1 = [anon_rss(d.proc.pid) for d in daemons]
         daemon_hits = held = 0
         disk: dict = {}
