@@ -100,7 +100,7 @@ def render_status(s: dict) -> str:
         f"kvtier-daemon pid {s['pid']}  up {s['uptime_s']:.0f}s  socket {s['socket']}",
         f"pool      {format_size(p['capacity_bytes'])} capacity, {format_size(p['used_bytes'])} used, "
         f"{format_size(p['free_bytes'])} free, {format_size(p['waste_bytes'])} waste, "
-        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})" + _pinned(p) + _tail(p),
+        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})" + _pinned(p) + _tail(p) + _faulting(p),
         *_sizes(p.get("sizes", [])),
         f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
@@ -150,6 +150,13 @@ def _tail(p: dict) -> str:
     if not p.get("tail_bytes"):
         return ""
     return f"; {format_size(p['tail_bytes'])} of the {format_size(p['pool_bytes'])} pool is past the last slab (unused)"
+
+
+def _faulting(p: dict) -> str:
+    """A new pool serving while the rest of it faults in (prefault = background)."""
+    if not p.get("faulting_bytes"):
+        return ""
+    return f"; {format_size(p['faulting_bytes'])} still faulting in (its slabs join as their pages are in)"
 
 
 def _sizes(rows: list[dict]) -> list[str]:

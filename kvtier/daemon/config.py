@@ -28,6 +28,7 @@ MOVED = {  # keys that no longer exist, and where their value belongs now
 }
 MAX_PERIOD_S = 86400.0  # the poll loop turns these into timeouts: inf or 1e300 would crash it
 GPU_MODES = ("auto", "on", "off")
+PREFAULT_MODES = ("background", "start")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
 
 
@@ -71,6 +72,7 @@ class DaemonConfig:
     metrics: str = ""               # Prometheus HTTP endpoint HOST:PORT; "" = off
     checksums: bool = False         # debug: crc32 per block at store, verified at load
     gc_freeze: bool = True          # freeze what each full garbage collection kept (daemon/tenure.py)
+    prefault: str = "background"    # a new pool: serve once its first GiB is in (the rest behind), or "start": all first
     warm_restart: bool = False      # keep the pool and a journal of its blocks for the next daemon
     socket_group: str = ""          # group that may connect (socket chgrp); "" = daemon's
     copy_delay_s: float = 0.0       # fault injection for tests: stall before every copy chunk
@@ -142,6 +144,8 @@ class DaemonConfig:
             bad("drain_timeout_s", "must be in [0, 3600]")
         if not 0 <= self.copy_delay_s <= 60:
             bad("copy_delay_s", "must be in [0, 60]")
+        if self.prefault not in PREFAULT_MODES:
+            bad("prefault", f"must be one of {', '.join(PREFAULT_MODES)}")
         if self.gpu not in GPU_MODES:
             bad("gpu", f"must be one of {', '.join(GPU_MODES)}")
         if not isinstance(self.pin_chunk, int) or self.pin_chunk <= 0:

@@ -37,6 +37,7 @@ POOL_GAUGES = (  # stats key under "pool", metric name, help
     ("used_bytes", "pool_used_bytes", "Bytes held by blocks (prefix cache and swap)."),
     ("free_bytes", "pool_free_bytes", "Bytes available for new blocks."),
     ("waste_bytes", "pool_waste_bytes", "Bytes lost to slab rounding."),
+    ("faulting_bytes", "pool_faulting_bytes", "Bytes of slabs whose pages are not in yet (prefault = background)."),
     ("slabs", "pool_slabs", "Slabs carved so far."),
     ("free_slabs", "pool_free_slabs", "Slabs not assigned to a size class."),
     ("blocks", "pool_blocks", "Ready prefix-cache blocks."),

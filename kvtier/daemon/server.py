@@ -102,7 +102,10 @@ class Daemon:
         self.pool = torch.frombuffer(self.segment.buffer, dtype=torch.uint8)
         self.lookup_indexes = start_lookup_indexes(config)
         # Built whole, each given what it talks to; the tiers first, handed down to what calls them.
-        self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size), POLICIES[config.policy](),
+        background = self.segment.background  # a new pool still faulting in: its slabs come as they are in
+        self.index = BlockIndex(SlabAllocator(config.pool_size, config.slab_size,
+                                              background.done if background is not None else None),
+                                POLICIES[config.policy](),
                                 config.tenant_share, events=bool(config.events), mirror=self.lookup_indexes,
                                 journal=self.warm)
         if (why := fit_warning(config.pool_size, config.slab_size)) is not None:
@@ -218,6 +221,9 @@ class Daemon:
         for t in tiers:
             poller.register(t.wakeup_fd, zmq.POLLIN)
         poller.register(self.guard.fd, zmq.POLLIN)
+        faulting = self.segment.background
+        if faulting is not None:
+            poller.register(faulting.fd, zmq.POLLIN)
         handover = self.listener.handover
         polled: set[int] = set()  # hand-over descriptors in the poller (they come and go)
         if ready:
@@ -266,6 +272,9 @@ class Daemon:
                             handover.on_ready(fd)
                     if self.copies.wakeup_fd in events:
                         self.copies.finish_completed()
+                    if faulting is not None and faulting.fd in events and self._faulted_in(faulting):
+                        poller.unregister(faulting.fd)
+                        faulting = None
                     for t in tiers:
                         if t.wakeup_fd in events:
                             t.poll()
@@ -282,6 +291,20 @@ class Daemon:
                     self.errors[ErrorCode.INTERNAL.name] += 1
         finally:
             self.shutdown()
+
+    def _faulted_in(self, faulting) -> bool:
+        """More of a new pool is in: its whole slabs are handed out from now on. True once
+        the background prefault has ended (all in, or stopped short: logged)."""
+        self.index.alloc_.open_to(faulting.take())
+        if faulting.running:
+            return False
+        if faulting.finished:
+            log.info("pool faulted in: %s, the last %s in %.1fs while serving", format_size(self.segment.size),
+                     format_size(self.segment.size - faulting.start), faulting.seconds)
+        else:
+            log.error("the pool stops at the %s faulted in: %s", format_size(faulting.done),
+                      faulting.error or "stopped")
+        return True
 
     def _tick(self) -> float:
         try:

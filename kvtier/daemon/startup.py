@@ -12,6 +12,7 @@ import platform
 import psutil
 import torch
 
+from ..pool.prefault import FIRST
 from ..pool.segment import SHM_DIR, SegmentError, ShmSegment, unique_name
 from ..pool.shm_index import seqlock_safe
 from ..pool.sizes import format_size
@@ -36,13 +37,18 @@ def check_ram(config: DaemonConfig, kept: int = 0) -> None:
 
 
 def new_pool(config: DaemonConfig) -> ShmSegment:
-    """The pool under a name nobody can guess (a pid-derived one was squatted by another
+    """The pool (``prefault = background``: its first GiB in, the rest faulting in behind:
+    ``segment.background``) under a name nobody can guess (a pid-derived one was squatted by another
     user planting a file there first), created exclusively: a name that is somehow taken
     is logged and another drawn, never opened and never a failed start."""
+    # A pool kept for the next daemon (warm_restart) is faulted in whole first: the next one
+    # adopts blocks anywhere in it and copies without faulting.
+    background = config.prefault == "background" and not config.warm_restart
     for _ in range(3):
         name = unique_name(POOL_PREFIX)
         try:
-            return ShmSegment(name, config.pool_size, create=True, mode=config.shm_mode)
+            return ShmSegment(name, config.pool_size, create=True, mode=config.shm_mode,
+                              serve_after=max(FIRST, config.slab_size) if background else None)
         except SegmentError as exc:
             if not os.path.lexists(SHM_DIR + name):
                 raise  # no room: the caller reports it

@@ -21,7 +21,9 @@ has a tail no block ever uses (``tail_bytes``; ``fit_warning`` says so at
 start), and how many blocks of a size fit is slabs x slots per slab, not the
 pool's size over the block's (``size_capacity``).
 
-Primitives: ``add_class(block_bytes, owner="") -> cls``, ``alloc(cls) -> offset | None``,
+Primitives: ``SlabAllocator(capacity, slab_bytes, usable=None)`` (``usable``: the bytes whose
+pages are in; ``open_to(usable)`` as more come in, ``faulting_bytes`` what is still out),
+``add_class(block_bytes, owner="") -> cls``, ``alloc(cls) -> offset | None``,
 ``alloc_many(cls, n) -> [offset]`` (ascending runs, fewer when full), ``free(offset)``, ``slab_of(offset)``, ``used_offsets(slab)``,
 ``claim([(cls, offset)]) -> [bool]`` (warm restart: take exactly these slots), ``owner_slabs``,
 ``tail_bytes``, ``size_capacity() -> [dict]``, ``fit_warning(pool, slab) -> str | None``, ``check_integrity()``.
@@ -72,7 +74,9 @@ def fit_warning(pool_bytes: int, slab_bytes: int) -> str | None:
 
 
 class SlabAllocator:
-    def __init__(self, capacity: int, slab_bytes: int):
+    def __init__(self, capacity: int, slab_bytes: int, usable: int | None = None):
+        """``usable``: bytes from the pool's start whose pages are in (None: all of it); the
+        slabs past it are handed out once ``open_to`` says they are in too."""
         if slab_bytes <= 0 or slab_bytes % ALIGN:
             raise ValueError(f"slab_bytes must be a positive multiple of {ALIGN}")
         if capacity < slab_bytes:
@@ -80,10 +84,28 @@ class SlabAllocator:
         self.capacity = capacity
         self.slab_bytes = slab_bytes
         self.slabs = [Slab() for _ in range(capacity // slab_bytes)]
-        self.free_slabs = list(range(len(self.slabs) - 1, -1, -1))
+        # Slabs [0, opened) are the allocator's; the others wait for their pages (a pool that
+        # serves while it faults in: no block may live where a copy could still fault).
+        self.opened = len(self.slabs) if usable is None else min(len(self.slabs), usable // slab_bytes)
+        self.free_slabs = list(range(self.opened - 1, -1, -1))
         self.classes: list[SizeClass] = []
         self._by_size: dict[tuple[int, str], int] = {}
         self.owner_slabs: dict[str, int] = {}  # owner -> slabs its classes hold (updated per slab)
+
+    def open_to(self, usable: int) -> int:
+        """The pool's first ``usable`` bytes are in now: their whole slabs join the free list
+        (after the free ones: slabs in use are filled first). Returns how many joined."""
+        n = min(len(self.slabs), usable // self.slab_bytes)
+        if n <= self.opened:
+            return 0
+        self.free_slabs[:0] = range(n - 1, self.opened - 1, -1)
+        added, self.opened = n - self.opened, n
+        return added
+
+    @property
+    def faulting_bytes(self) -> int:
+        """Bytes of slabs not handed out yet because their pages are not in."""
+        return (len(self.slabs) - self.opened) * self.slab_bytes
 
     def add_class(self, block_bytes: int, owner: str = "") -> int:
         if block_bytes <= 0:
@@ -224,7 +246,7 @@ class SlabAllocator:
 
     @property
     def free_bytes(self) -> int:
-        return self.capacity - self.used_bytes - self.waste_bytes
+        return self.capacity - self.used_bytes - self.waste_bytes - self.faulting_bytes
 
     @property
     def tail_bytes(self) -> int:
@@ -240,7 +262,7 @@ class SlabAllocator:
         for c in self.classes:
             row = rows.setdefault(c.block_bytes, {
                 "block_bytes": c.block_bytes, "stride": c.stride, "per_slab": c.per_slab, "blocks": 0,
-                "max_blocks": len(self.slabs) * c.per_slab, "free_blocks": len(self.free_slabs) * c.per_slab})
+                "max_blocks": len(self.slabs) * c.per_slab, "free_blocks": len(self.free_slabs) * c.per_slab})  # faulted in
             row["blocks"] += c.used
             row["free_blocks"] += sum(len(self.slabs[s].free) for s in c.partial)
         return [rows[b] for b in sorted(rows)]
@@ -248,7 +270,7 @@ class SlabAllocator:
     def counters(self) -> dict:
         return {
             "capacity": self.capacity, "slab_bytes": self.slab_bytes, "slabs": len(self.slabs),
-            "free_slabs": len(self.free_slabs), "used_bytes": self.used_bytes,
+            "free_slabs": len(self.free_slabs), "opened_slabs": self.opened, "used_bytes": self.used_bytes,
             "waste_bytes": self.waste_bytes,
             "classes": [{"block_bytes": c.block_bytes, "slabs": c.slabs, "used": c.used,
                          "partial": len(c.partial)} for c in self.classes],
@@ -258,8 +280,11 @@ class SlabAllocator:
         problems = []
         if len(set(self.free_slabs)) != len(self.free_slabs):
             problems.append("duplicate free slab")
+        free = set(self.free_slabs)
         for s, slab in enumerate(self.slabs):
-            if (slab.cls < 0) != (s in self.free_slabs):
+            if s >= self.opened and (slab.cls >= 0 or s in free):
+                problems.append(f"slab {s} is used or free before its pages are in (opened {self.opened})")
+            elif s < self.opened and (slab.cls < 0) != (s in free):
                 problems.append(f"slab {s} cls={slab.cls} vs free list")
             if slab.cls >= 0:
                 c = self.classes[slab.cls]

@@ -402,11 +402,14 @@ class BlockIndex:
 
     def capacity(self) -> dict:
         """The pool's occupancy, as status shows it. ``capacity_bytes`` is what blocks can
-        occupy (whole slabs: used + free + waste), ``pool_bytes`` the mapping, ``tail_bytes``
-        the difference; ``sizes`` the blocks each registered size holds and can hold."""
+        occupy (whole slabs: used + free + waste + faulting), ``pool_bytes`` the mapping,
+        ``tail_bytes`` the difference; ``faulting_bytes`` the slabs whose pages are not in yet
+        (a pool serving while it faults in); ``sizes`` the blocks each registered size holds
+        and can hold."""
         a = self.alloc_
         return {"capacity_bytes": a.capacity - a.tail_bytes, "pool_bytes": a.capacity, "tail_bytes": a.tail_bytes,
                 "used_bytes": a.used_bytes, "free_bytes": a.free_bytes, "waste_bytes": a.waste_bytes - a.tail_bytes,
+                "faulting_bytes": a.faulting_bytes,
                 "slab_bytes": a.slab_bytes, "slabs": len(a.slabs), "free_slabs": len(a.free_slabs),
                 "sizes": a.size_capacity()}
 

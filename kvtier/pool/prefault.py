@@ -11,9 +11,11 @@ GIL). A tmpfs without room fails it with EFAULT or ENOMEM, never SIGBUS: the
 same fail-fast as ``posix_fallocate``. On an older kernel (EINVAL) the caller
 falls back to the old way.
 
-Primitives: ``populate(mm, size, name, threads=None) -> bool`` (False: the kernel lacks it;
-``NoRoom`` without the memory), ``no_room(size, name, errno)`` (the message),
-``PARALLEL_MIN`` (smaller segments keep the old way: one thread is enough).
+Primitives: ``populate(mm, size, name, threads=None, upto=None) -> bool`` (False: the kernel
+lacks it; ``NoRoom`` without the memory), ``Background(mm, size, name, start)`` (the rest while
+the daemon serves: ``.fd``, ``.take() -> bytes in``, ``.finished``, ``.error``, ``.stop()``),
+``no_room(size, name, errno)`` (the message), ``PARALLEL_MIN`` (smaller segments keep the old
+way: one thread is enough), ``FIRST`` (what a pool serving while it faults has in at start).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import errno
 import os
 import queue
 import threading
+import time
 
 MADV_POPULATE_WRITE = 23
 PARALLEL_MIN = 1 << 30   # bytes: below it the old way (a mirror table, a journal, an engine's segment)
 CHUNK = 256 << 20        # a thread's share at a time: threads that finish early take more
 MAX_THREADS = 16
+FIRST = 1 << 30          # a pool that serves while it faults in has this much in before it serves
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -52,16 +56,17 @@ def threads_for(size: int) -> int:
     return max(1, min(MAX_THREADS, os.cpu_count() or 1, size // CHUNK))
 
 
-def populate(mm, size: int, name: str, threads: int | None = None) -> bool:
-    """Fault in every page of the shared mapping ``mm`` (``size`` bytes) for writing.
-    False when this kernel has no ``MADV_POPULATE_WRITE`` (nothing was done);
-    ``NoRoom`` when the memory is not there (some pages may be in: the caller unlinks)."""
+def populate(mm, size: int, name: str, threads: int | None = None, upto: int | None = None) -> bool:
+    """Fault in every page of the shared mapping ``mm`` (``size`` bytes; ``upto``: only its
+    first ``upto``) for writing. False when this kernel has no ``MADV_POPULATE_WRITE`` (nothing
+    was done); ``NoRoom`` when the memory is not there (some pages may be in: the caller unlinks)."""
     anchor = ctypes.c_char.from_buffer(mm)  # an export of the mapping: mm cannot close under us
+    end = size if upto is None else min(size, upto)
     try:
         base = ctypes.addressof(anchor)
         chunks: queue.SimpleQueue = queue.SimpleQueue()
-        for off in range(0, size, CHUNK):
-            chunks.put((off, min(CHUNK, size - off)))
+        for off in range(0, end, CHUNK):
+            chunks.put((off, min(CHUNK, end - off)))
         failed: list[int] = []
 
         def work() -> None:
@@ -80,7 +85,7 @@ def populate(mm, size: int, name: str, threads: int | None = None) -> bool:
         if err:
             failed.append(err)
         pool = [threading.Thread(target=work, name=f"kvtier-prefault-{i}", daemon=True)
-                for i in range(threads if threads is not None else threads_for(size))]
+                for i in range(threads if threads is not None else threads_for(end))]
         for t in pool:
             t.start()
         for t in pool:
@@ -90,3 +95,90 @@ def populate(mm, size: int, name: str, threads: int | None = None) -> bool:
         return True
     finally:
         del anchor
+
+
+class Background:
+    """The rest of a mapping, from ``start``, faulted in on threads while the daemon serves
+    from the part that is in: a 2 TB pool takes minutes to fault in, and the first request
+    need not wait for it. Chunks go out in order; ``done`` is the prefix faulted in whole (a
+    chunk finishing before an earlier one counts once that one has), so the allocator hands
+    out a slab only once its every page is in: no copy ever faults on a full tmpfs (SIGBUS).
+    The loop wakes on ``fd`` and reads ``take()``; ``error`` says why it stopped short (the
+    pool then serves with what is in). ``stop()`` ends it (before the mapping is closed)."""
+
+    def __init__(self, mm, size: int, name: str, start: int, threads: int | None = None,
+                 chunk: int = CHUNK):
+        from ..waker import Inbox
+        self.size, self.name, self.chunk = size, name, chunk
+        self.start = self.done = min(start, size)
+        self.error = ""
+        self.started = time.monotonic()
+        self.seconds = 0.0              # how long the rest took, once ``finished``
+        self._next = self.done          # the next chunk handed out
+        self._ahead: dict[int, int] = {}  # chunks done past ``done``: offset -> bytes
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._inbox = Inbox()
+        self._anchor = ctypes.c_char.from_buffer(mm)  # the mapping cannot close under the threads
+        self._base = ctypes.addressof(self._anchor)
+        n = threads if threads is not None else threads_for(size - self.done)
+        self._threads = [threading.Thread(target=self._work, name=f"kvtier-prefault-{i}", daemon=True)
+                         for i in range(n if self.done < size else 0)]
+        self._live = len(self._threads)
+        for t in self._threads:
+            t.start()
+
+    @property
+    def fd(self) -> int:
+        return self._inbox.fd
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.size
+
+    @property
+    def running(self) -> bool:
+        """A thread is still at work (its last wake-up comes after it stopped counting)."""
+        with self._lock:
+            return self._live > 0
+
+    def take(self) -> int:
+        """The loop was woken: the bytes faulted in so far, from the mapping's start."""
+        self._inbox.take_all()
+        return self.done
+
+    def _chunk(self):
+        with self._lock:
+            if self._stopping or self.error or self._next >= self.size:
+                return None
+            off = self._next
+            self._next += self.chunk
+            return off, min(self.chunk, self.size - off)
+
+    def _work(self) -> None:
+        while (got := self._chunk()) is not None:
+            off, n = got
+            err = _advise(self._base, off, n)
+            with self._lock:
+                if err:
+                    self.error = self.error or no_room(self.size, self.name, err)
+                else:
+                    self._ahead[off] = n
+                    while self.done in self._ahead:
+                        self.done += self._ahead.pop(self.done)
+                    if self.finished:
+                        self.seconds = time.monotonic() - self.started
+            self._inbox.put(None)
+        with self._lock:
+            self._live -= 1
+        self._inbox.put(None)  # the loop sees ``running`` false after this one
+
+    def stop(self) -> None:
+        """No more chunks; waits for the ones in progress (each at most ``chunk`` bytes)."""
+        with self._lock:
+            self._stopping = True
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        self._anchor = None
+        self._inbox.close()

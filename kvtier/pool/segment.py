@@ -8,7 +8,9 @@ Design notes (measured on the dev machine):
     SIGBUS; ``posix_fallocate`` reserves tmpfs pages now and fails fast.
   * mapping with MAP_POPULATE prefaults page tables so first copies run at
     full speed; a segment of ``prefault.PARALLEL_MIN`` or more (the pool) is
-    faulted in by ``MADV_POPULATE_WRITE`` on several threads instead.
+    faulted in by ``MADV_POPULATE_WRITE`` on several threads instead; with
+    ``serve_after`` only its first part now, the rest in the background
+    (``self.background``, prefault.Background) while the daemon serves.
   * the mapping's lifetime is owned here: tensors over it must be dropped
     before ``close()``; closing under a live tensor would segfault the next
     write, so ``close`` refuses (BufferError) instead.
@@ -35,7 +37,7 @@ import posix_ipc
 import psutil
 
 from ..ownership import distrust, ours
-from .prefault import PARALLEL_MIN, NoRoom, no_room, populate
+from .prefault import PARALLEL_MIN, Background, NoRoom, no_room, populate
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +54,13 @@ class ShmSegment:
     ``check(stat) -> why`` vets an opened segment before it is mapped ("" = fine)."""
 
     def __init__(self, name: str, size: int = 0, *, create: bool = False, mode: int = 0o600,
-                 populate: bool = True, group: int | None = None, check=None):
+                 populate: bool = True, group: int | None = None, check=None, serve_after: int | None = None):
+        """``serve_after``: a new segment of ``PARALLEL_MIN`` or more has only its first
+        ``serve_after`` bytes faulted in when this returns; ``background`` faults in the rest."""
         self.name = _checked(name)
         self.owner = create
         self._mmap: mmap.mmap | None = None
+        self.background: Background | None = None
         try:
             if create:
                 if size <= 0:
@@ -91,10 +96,13 @@ class ShmSegment:
                 raise SegmentError(f"shared memory {self.name} is empty")
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate and not parallel else 0)
             self._mmap = mmap.mmap(shm.fd, self.size, flags=flags)
-            if parallel and not self._populate():  # a kernel before 5.14: the one-thread way
+            first = serve_after if parallel and serve_after is not None and serve_after < size else None
+            if parallel and not self._populate(first):  # a kernel before 5.14: the one-thread way
                 self._mmap.close()
                 _reserve(shm.fd, size, self.name)
                 self._mmap = mmap.mmap(shm.fd, self.size, flags=flags | getattr(mmap, "MAP_POPULATE", 0))
+            elif first is not None:
+                self.background = Background(self._mmap, self.size, self.name, start=first)
         except BaseException:
             if self._mmap is not None:
                 self._mmap.close()
@@ -105,9 +113,9 @@ class ShmSegment:
         finally:
             shm.close_fd()
 
-    def _populate(self) -> bool:
+    def _populate(self, upto: int | None = None) -> bool:
         try:
-            return populate(self._mmap, self.size, self.name)
+            return populate(self._mmap, self.size, self.name, upto=upto)
         except NoRoom as exc:
             raise SegmentError(str(exc.strerror)) from None
 
@@ -122,6 +130,9 @@ class ShmSegment:
 
     def close(self, unlink: bool | None = None) -> None:
         """Unmap (and unlink if owner). Raises BufferError while views are alive."""
+        if self.background is not None:  # its threads write into the mapping: they stop first
+            self.background.stop()
+            self.background = None
         if self._mmap is not None:
             self._mmap.close()
             self._mmap = None

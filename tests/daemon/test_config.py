@@ -79,6 +79,7 @@ def test_kvtier_config_names_the_file_and_a_flag_still_wins(tmp_path):
     ("", {"KVTIER_TENANT_SHARE": "0"}, [], "tenant_share"),            # 0 would refuse every store
     ("tenant_share = nan\n", {}, [], "tenant_share"),
     ("tenant_share = 1.01\n", {}, [], "tenant_share"),
+    ('prefault = "lazy"\n', {}, [], "prefault"),
 ])
 def test_invalid_values_exit_2_naming_the_key(tmp_path, monkeypatch, capsys, file_text, env, argv, key):
     conf = tmp_path / "kvtier.toml"

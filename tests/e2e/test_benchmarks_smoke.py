@@ -224,3 +224,11 @@ def test_bench_ready_map_times_stores_lookups_and_loads_of_a_namespace_in_shards
     assert out["ready_map"] == "ShardedMap" and out["blocks"] > 65000 and out["evictions"] == 3200
     assert [r[0].split()[0] for r in out["rows"]] == ["store", "lookup", "load"]
     assert all(r[1] > 0 and r[3] > 0 for r in out["rows"])
+
+
+def test_bench_start_times_the_first_answer_and_the_whole_pool_in_for_both_trees():
+    out = json.loads(script("bench_start.py", "--pools", "64MiB", "--reps", "1", "--baseline-tree", REPO, "--json"))
+    assert set(out["starts"]) == set(out["whole_pool_in"]) == {"64MiB this tree", "64MiB baseline"}
+    for name, [first] in out["starts"].items():
+        [whole] = out["whole_pool_in"][name]
+        assert 0 < first <= whole  # the whole pool is in no sooner than the first answer

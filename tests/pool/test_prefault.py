@@ -90,3 +90,88 @@ def test_a_pool_bigger_than_dev_shm_fails_the_start_and_leaves_nothing():
     if out.returncode != 0 and "mount" in out.stderr:
         pytest.skip(f"needs root to mount a private /dev/shm: {out.stderr.strip()}")
     assert out.stdout.strip() == "refused True []", out.stderr
+
+
+# ---- serving while the rest faults in (prefault = "background") ------------------------------
+
+def test_a_pool_serving_while_it_faults_in_hands_out_only_slabs_whose_pages_are_in():
+    """The first part is in when the segment is handed out; the allocator opens the rest's
+    slabs only as the background says their pages are in, prefix first, until all are."""
+    from kvtier.pool.allocator import SlabAllocator
+    size, slab = PARALLEL_MIN + (512 << 20), 64 << 20
+    name = unique_name("kvtier-test-prefault.")
+    seg = ShmSegment(name, size, create=True, serve_after=PARALLEL_MIN // 2)
+    try:
+        bg = seg.background
+        assert bg is not None and bg.start == PARALLEL_MIN // 2
+        alloc = SlabAllocator(size, slab, bg.done)
+        cls = alloc.add_class(slab)
+        seen, opened = [], alloc.opened
+        while True:
+            done = bg.take()
+            assert done >= bg.start and done % slab == 0 or done == size
+            alloc.open_to(done)
+            assert alloc.opened == done // slab >= opened  # only what is in, and never less
+            opened = alloc.opened
+            seen.append(done)
+            if not bg.running:
+                break
+            select_on(bg.fd)
+        assert bg.finished and not bg.error and alloc.opened == size // slab and alloc.faulting_bytes == 0
+        st = os.stat(SHM_DIR + name)
+        assert st.st_blocks * 512 >= size  # every page in now
+        offsets = alloc.alloc_many(cls, size // slab)
+        assert sorted(offsets) == [i * slab for i in range(size // slab)]  # every slab usable
+        alloc.check_integrity()
+    finally:
+        seg.close()  # stops the threads first (they hold the mapping)
+    assert not os.path.exists(SHM_DIR + name)
+
+
+def select_on(fd: int) -> None:
+    import select
+    select.select([fd], [], [], 5.0)
+
+
+def test_slabs_past_what_is_in_are_neither_free_nor_used_until_opened():
+    from kvtier.pool.allocator import SlabAllocator
+    slab = 1 << 20
+    a = SlabAllocator(8 * slab, slab, usable=3 * slab + 5)  # 3 whole slabs in
+    cls = a.add_class(slab)
+    assert (a.opened, a.faulting_bytes, a.free_bytes) == (3, 5 * slab, 3 * slab)
+    assert sorted(a.alloc_many(cls, 8)) == [0, slab, 2 * slab]  # the pool is "full" at what is in
+    a.check_integrity()
+    a.free(slab)
+    assert a.open_to(2 * slab) == 0 and a.open_to(6 * slab) == 3
+    got = a.alloc_many(cls, 8)
+    assert got[0] == slab and sorted(got) == [slab, 3 * slab, 4 * slab, 5 * slab]  # freed first, then new
+    a.check_integrity()
+    a.slabs[7].cls = 0  # a block where the pages are not in: caught
+    with pytest.raises(Exception, match="before its pages are in"):
+        a.check_integrity()
+
+
+BACKGROUND_NO_ROOM = """
+import mmap, os, sys, select
+from kvtier.pool.prefault import Background
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 128 << 20)
+mm = mmap.mmap(fd, 128 << 20, flags=mmap.MAP_SHARED)
+bg = Background(mm, 128 << 20, "the test pool", start=8 << 20, threads=2, chunk=8 << 20)
+while bg.running:
+    select.select([bg.fd], [], [], 5.0)
+    bg.take()
+print(bg.done >> 20, bg.finished, bg.error)
+bg.stop()
+mm.close()
+"""
+
+
+def test_a_tmpfs_filling_while_the_rest_faults_in_stops_the_pool_at_what_is_in(small_tmpfs):
+    """No signal, no crash: the background stops with the tmpfs full, says why, and what it
+    counts as in is a prefix below what the tmpfs holds."""
+    out = subprocess.run([sys.executable, "-c", BACKGROUND_NO_ROOM, str(small_tmpfs / "pool")], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    done, finished, error = out.stdout.split(" ", 2)
+    assert finished == "False" and 8 <= int(done) <= 32 and "is /dev/shm large enough?" in error
