@@ -295,7 +295,7 @@ class Daemon:
     def _faulted_in(self, faulting) -> bool:
         """More of a new pool is in: its whole slabs are handed out from now on. True once
         the background prefault has ended (all in, or stopped short: logged)."""
-        self.index.alloc_.open_to(faulting.take())
+        self.index.pages_in(faulting.take())
         if faulting.running:
             return False
         if faulting.finished:

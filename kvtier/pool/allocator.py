@@ -262,7 +262,7 @@ class SlabAllocator:
         for c in self.classes:
             row = rows.setdefault(c.block_bytes, {
                 "block_bytes": c.block_bytes, "stride": c.stride, "per_slab": c.per_slab, "blocks": 0,
-                "max_blocks": len(self.slabs) * c.per_slab, "free_blocks": len(self.free_slabs) * c.per_slab})  # faulted in
+                "max_blocks": len(self.slabs) * c.per_slab, "free_blocks": len(self.free_slabs) * c.per_slab})
             row["blocks"] += c.used
             row["free_blocks"] += sum(len(self.slabs[s].free) for s in c.partial)
         return [rows[b] for b in sorted(rows)]

@@ -25,6 +25,7 @@ Primitives (scheduler-style, no I/O):
   is_ready(e), holds(key, block), ready_entry(ns, key), ready_entries(ns, keys), ready_keys(ns)
   forget_empty(keep) -> [Bucket]
   capacity() -> dict                       pool and per-class occupancy (status)
+  pages_in(usable)                         a new pool faulting in: its slabs up to ``usable`` take blocks
   flush(ns=None) -> int                    all at once (tests, tools); the daemon spreads it:
   drains: Drains                           start(buckets) hides at once, step(n) frees (pool/drain.py)
   check_integrity()
@@ -399,6 +400,10 @@ class BlockIndex:
             del e.ns.writing[e.key]
         self.slots.pop(e.offset)
         self.alloc_.free(e.offset)  # a slab it empties is no longer its tenant's (owner_slabs)
+
+    def pages_in(self, usable: int) -> None:
+        """A new pool's first ``usable`` bytes are faulted in: their slabs take blocks now."""
+        self.alloc_.open_to(usable)
 
     def capacity(self) -> dict:
         """The pool's occupancy, as status shows it. ``capacity_bytes`` is what blocks can

@@ -27,6 +27,8 @@ import queue
 import threading
 import time
 
+from ..waker import Inbox
+
 MADV_POPULATE_WRITE = 23
 PARALLEL_MIN = 1 << 30   # bytes: below it the old way (a mirror table, a journal, an engine's segment)
 CHUNK = 256 << 20        # a thread's share at a time: threads that finish early take more
@@ -108,7 +110,6 @@ class Background:
 
     def __init__(self, mm, size: int, name: str, start: int, threads: int | None = None,
                  chunk: int = CHUNK):
-        from ..waker import Inbox
         self.size, self.name, self.chunk = size, name, chunk
         self.start = self.done = min(start, size)
         self.error = ""
