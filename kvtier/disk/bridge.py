@@ -254,7 +254,7 @@ class DiskBridge:
             dropped = self.dindex.add_written(key, files)
             unannounced = [v.path for v in dropped]  # one of two copies of a block that stays on disk: no event
             twice = {v.key for v in dropped}
-            self.stored(key, [v.key for v in files if v.key not in twice] if twice else [v.key for v in files])
+            self.stored(key, [v.key for v in files if v.key not in twice])
         self.counters["write_failed"] += len(job.failed)
         self.backlog.lost(owner_of(key), "failed", len(job.failed))
         self.io.unlink(unannounced, self.emptied([key]))

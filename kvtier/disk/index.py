@@ -185,8 +185,7 @@ class DiskIndex:
         if entries is None:
             entries = self.namespaces[entry.ns_key] = {}
         entries[entry.key] = entry
-        if type(entries) is dict and len(entries) > shardmap.SPLIT_AT:  # in shards: no insert rebuilds it all
-            self.namespaces[entry.ns_key] = shardmap.grown(entries)
+        self.namespaces[entry.ns_key] = shardmap.grown(entries)  # in shards: no insert rebuilds it all
         self.ns_bytes[entry.ns_key] += entry.size
         self.count += 1
         self.used += entry.file_bytes
@@ -224,8 +223,7 @@ class DiskIndex:
         self._newest = newest
         if fresh:
             size = entries[0].size
-            if type(m) is dict and len(m) > shardmap.SPLIT_AT:
-                self.namespaces[ns_key] = shardmap.grown(m)
+            self.namespaces[ns_key] = shardmap.grown(m)
             self.ns_bytes[ns_key] += fresh * size
             self.count += fresh
             self.used += fresh * file_bytes(size)

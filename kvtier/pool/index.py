@@ -365,16 +365,19 @@ class BlockIndex:
         if self.record_events:
             self._events.extend(("disk_stored", ns_key, k) for k in keys)
         if self.mirror is not None:
-            ns = self.namespaces.get(ns_key)
-            self.mirror.disk_stored(ns_key, keys if ns is None else [k for k in keys if k not in ns.ready_map])
+            self.mirror.disk_stored(ns_key, self._not_ready(ns_key, keys))
 
     def lower_removed(self, ns_key: str, keys: list[bytes]) -> None:
         """Blocks that left the tier below: out of the mirror too, unless ready here."""
         if self.record_events:
             self._events.extend(("disk_removed", ns_key, k) for k in keys)
-        ns = self.namespaces.get(ns_key)
         if self.mirror is not None:
-            self.mirror.disk_removed(ns_key, keys if ns is None else [k for k in keys if k not in ns.ready_map])
+            self.mirror.disk_removed(ns_key, self._not_ready(ns_key, keys))
+
+    def _not_ready(self, ns_key: str, keys: list[bytes]) -> list[bytes]:
+        """Those of ``keys`` the namespace does not hold READY (the mirror has those for RAM)."""
+        ns = self.namespaces.get(ns_key)
+        return keys if ns is None else [k for k in keys if k not in ns.ready_map]
 
     def lower_cleared(self, ns_key: str) -> None:  # a flush hid them below (RAM's too): the mirror empties
         if self.mirror is not None:

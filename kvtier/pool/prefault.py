@@ -13,7 +13,7 @@ falls back to the old way.
 
 Primitives: ``populate(mm, size, name, threads=None, upto=None) -> bool`` (False: the kernel
 lacks it; ``NoRoom`` without the memory), ``Background(mm, size, name, start)`` (the rest while
-the daemon serves: ``.fd``, ``.take() -> bytes in``, ``.finished``, ``.error``, ``.stop()``),
+the daemon serves: ``.fd``, ``.take() -> bytes in``, ``.finished``, ``.error``, ``.join()``, ``.stop()``),
 ``no_room(size, name, errno)`` (the message), ``PARALLEL_MIN`` (smaller segments keep the old
 way: one thread is enough), ``FIRST`` (what a pool serving while it faults has in at start).
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import queue
 import threading
 import time
 
@@ -62,41 +61,24 @@ def populate(mm, size: int, name: str, threads: int | None = None, upto: int | N
     """Fault in every page of the shared mapping ``mm`` (``size`` bytes; ``upto``: only its
     first ``upto``) for writing. False when this kernel has no ``MADV_POPULATE_WRITE`` (nothing
     was done); ``NoRoom`` when the memory is not there (some pages may be in: the caller unlinks)."""
-    anchor = ctypes.c_char.from_buffer(mm)  # an export of the mapping: mm cannot close under us
     end = size if upto is None else min(size, upto)
+    first = min(CHUNK, end)
+    anchor = ctypes.c_char.from_buffer(mm)  # an export of the mapping: mm cannot close under us
     try:
-        base = ctypes.addressof(anchor)
-        chunks: queue.SimpleQueue = queue.SimpleQueue()
-        for off in range(0, end, CHUNK):
-            chunks.put((off, min(CHUNK, end - off)))
-        failed: list[int] = []
-
-        def work() -> None:
-            while not failed:
-                try:
-                    err = _advise(base, *chunks.get_nowait())
-                except queue.Empty:
-                    return
-                if err:
-                    failed.append(err)
-
         # The first chunk on this thread: an old kernel says EINVAL before any thread starts.
-        err = _advise(base, *chunks.get_nowait())
-        if err in (errno.EINVAL, errno.ENOSYS):
-            return False
-        if err:
-            failed.append(err)
-        pool = [threading.Thread(target=work, name=f"kvtier-prefault-{i}", daemon=True)
-                for i in range(threads if threads is not None else threads_for(end))]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        if failed:
-            raise NoRoom(failed[0], no_room(size, name, failed[0]))
-        return True
+        err = _advise(ctypes.addressof(anchor), 0, first)
     finally:
         del anchor
+    if err in (errno.EINVAL, errno.ENOSYS):
+        return False
+    if err:
+        raise NoRoom(err, no_room(size, name, err))
+    rest = Background(mm, end, name, start=first, threads=threads if threads is not None else threads_for(end))
+    rest.join()
+    rest.stop()
+    if rest.error:
+        raise NoRoom(rest.errno, rest.error)
+    return True
 
 
 class Background:
@@ -113,6 +95,7 @@ class Background:
         self.size, self.name, self.chunk = size, name, chunk
         self.start = self.done = min(start, size)
         self.error = ""
+        self.errno = 0                  # with ``error``: the errno of the chunk that failed
         self.started = time.monotonic()
         self.seconds = 0.0              # how long the rest took, once ``finished``
         self._next = self.done          # the next chunk handed out
@@ -162,7 +145,8 @@ class Background:
             err = _advise(self._base, off, n)
             with self._lock:
                 if err:
-                    self.error = self.error or no_room(self.size, self.name, err)
+                    if not self.error:
+                        self.error, self.errno = no_room(self.size, self.name, err), err
                 else:
                     self._ahead[off] = n
                     while self.done in self._ahead:
@@ -173,6 +157,11 @@ class Background:
         with self._lock:
             self._live -= 1
         self._inbox.put(None)  # the loop sees ``running`` false after this one
+
+    def join(self) -> None:
+        """Wait until every chunk is in, or the threads stopped at an error."""
+        for t in self._threads:
+            t.join()
 
     def stop(self) -> None:
         """No more chunks; waits for the ones in progress (each at most ``chunk`` bytes)."""
