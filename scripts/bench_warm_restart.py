@@ -11,7 +11,7 @@
    starts the same pool size with nothing kept (its engines would re-prefill).
    Also timed: the pool part alone (cold: create + prefault; warm: open +
    adopt, from ``kvtier status``) and what verifying every block's crc at
-   adoption would cost (one crc32 pass over the kept bytes).
+   adoption would cost (one checksum (CRC-32C) pass over the kept bytes).
 2. Commit path. Two daemons side by side, ``warm_restart`` on and off; stores
    of new blocks alternate between them; the median store latency of each.
 3. ``--disk``: a warm restart with the disk tier on, each daemon run from one of
@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-import zlib
 
 import torch
 
@@ -41,6 +40,7 @@ from benchlib import add_json_flag, answers_stats, emit, machine_notes, size_lis
 from kvtier.client import Client, Namespace, ShmKVCache
 from kvtier.daemon.config import DaemonConfig
 from kvtier.daemon.warm import warm_names
+from kvtier.pool import checksum
 from kvtier.pool.segment import unlink_segment
 from kvtier.pool.sizes import format_size
 
@@ -130,7 +130,7 @@ def _crc_all(name: str, pool: int) -> float:
     with open("/dev/shm" + name, "rb") as f:
         m = mmap.mmap(f.fileno(), pool, prot=mmap.PROT_READ)
         t0 = time.perf_counter()
-        zlib.crc32(m)
+        checksum.of(m)  # what the daemon would verify at adoption
         took = time.perf_counter() - t0
         m.close()
     return took

@@ -8,7 +8,7 @@
 #
 # For a GPU node with CUDA torch (>= 2.4) and no package registry. What kvtier
 # needs beyond the node's image comes from a wheel folder made beforehand where
-# PyPI is reachable: `bash scripts/gpu_wheels.sh` (.whl/: pyzmq, posix-ipc,
+# PyPI is reachable: `bash scripts/gpu_wheels.sh` (.whl/: pyzmq, posix-ipc, crc32c,
 # transformers 5.24.0, regex; ~15 MiB). They are installed with pip --target
 # into a private folder put first on PYTHONPATH: the node's own environment is
 # left as it was. KVTIER_WHEELS names another folder.
@@ -54,14 +54,14 @@ if [[ -n "$SGLANG" ]]; then GPU_TESTS_LIMIT=480; fi
 BENCH_GPU=("$PY" scripts/bench_gpu.py --blocks 128 --iters 5 --pool-size 1GiB --pin-gib 2)
 BENCH_PREFIX=("$PY" scripts/bench_gpu_prefix.py --prefix 1024 --layers 8 --questions 3)
 # Modules the steps import, beyond the test files themselves.
-MODULES=(torch numpy zmq msgpack posix_ipc psutil prometheus_client pytest hypothesis transformers
+MODULES=(torch numpy zmq msgpack posix_ipc crc32c psutil prometheus_client pytest hypothesis transformers
          kvtier.client kvtier.daemon.server kvtier.transfer.cuda kvtier.transfer.gpu kvtier.transfer.pinning
          kvtier.integrations.engine_kv kvtier.integrations.transformers kvtier.demo.daemon_proc)
 
 check_wheels() {  # the folder holds what scripts/gpu_wheels.sh makes, and is small enough to carry
     [[ -d "$WHEELS" ]] || { echo "no wheel folder at $WHEELS: run scripts/gpu_wheels.sh" >&2; return 1; }
     local missing=() name
-    for name in pyzmq posix_ipc transformers regex; do
+    for name in pyzmq posix_ipc crc32c transformers regex; do
         compgen -G "$WHEELS/$name-*.whl" >/dev/null || missing+=("$name")
     done
     ((${#missing[@]} == 0)) || { echo "wheel folder $WHEELS lacks: ${missing[*]}" >&2; return 1; }

@@ -2,9 +2,9 @@
 # The wheel folder a GPU node needs for scripts/gpu_acceptance.sh, made where PyPI
 # is reachable (a GPU node has no registry). The node's image (docs/GPU.md) has
 # CUDA torch, numpy, msgpack, psutil, prometheus-client, pytest, hypothesis and
-# transformers 5.17 with its dependencies; it lacks pyzmq and posix-ipc, and its
+# transformers 5.17 with its dependencies; it lacks pyzmq, posix-ipc and crc32c, and its
 # transformers is older than kvtier[transformers] (>= 5.19). So the folder holds:
-#   pyzmq, posix-ipc                  kvtier's core dependencies the image lacks
+#   pyzmq, posix-ipc, crc32c          kvtier's core dependencies the image lacks
 #   transformers 5.24.0               the newest kvtier claims (the HF CUDA tests and bench)
 #   regex                             transformers 5.24 wants regex >= 2025.10.22
 # ~15 MiB in all (the acceptance refuses a folder over 60 MiB). Pinned versions:
@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR="${1:-${KVTIER_WHEELS:-.whl}}"
 PYV="${GPU_PYTHON:-3.12}"
-WANT=(pyzmq==27.3.0 posix-ipc==1.3.2 transformers==5.24.0 regex==2026.11.19)
+WANT=(pyzmq==27.3.0 posix-ipc==1.3.2 crc32c==2.9.post0 transformers==5.24.0 regex==2026.11.19)
 mkdir -p "$DIR"
 "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections import Counter
 from typing import Callable, Iterator, Sequence
 
 import torch
 
+from ..pool import checksum
 from ..protocol import messages as m
 from ..protocol.errors import ErrorCode
 from ..transfer.copy import Cancelled
@@ -55,8 +55,8 @@ class CopyRunner:
                  send: Callable[[bytes, int, object], None], on_idle: Callable[[object], None],
                  counters: Counter, errors: Counter, latency: LatencyHistograms, *, crcs: dict | None = None,
                  journal=None, on_commit: Sequence[Callable[[object], None]] = ()):
-        """``crcs``: pool offset -> crc32 of its last committed bytes (the daemon's table, shared
-        with the tiers). ``journal``: warm restart (daemon/warm.py): stores' crcs are recorded at
+        """``crcs``: pool offset -> checksum (pool/checksum.py) of its last committed bytes (the
+        daemon's table, shared with the tiers). ``journal``: warm restart (daemon/warm.py): stores' crcs are recorded at
         commit, adopted blocks verified at their first load. ``on_commit``: the lower tiers'
         write-behind, each given a store's plan once committed."""
         self.pool, self.pool_buffer = pool, pool_buffer
@@ -119,7 +119,7 @@ class CopyRunner:
 
             def gpu_copy():
                 if check:  # before the bytes reach the engine, like the CPU path
-                    op.bad = sorted(i for i, off, crc in check if _crc(buf, off, size) != crc)
+                    op.bad = sorted(i for i, off, crc in check if not _matches(buf, off, size, crc))
                 op.done_event = engine.copy(pool, op.pairs, op.to_pool, cancelled=op.cancelled)
             if not op.fence:
                 self.worker.submit(op, gpu_copy, op.client.id)
@@ -158,8 +158,8 @@ class CopyRunner:
 
         def copy():
             if (slots or check) and not op.to_pool:  # verify before the bytes reach the engine
-                op.bad = sorted({i for i, off in slots if _crc(buf, off, size) != crcs.get(off)} |
-                                {i for i, off, crc in check if _crc(buf, off, size) != crc})
+                op.bad = sorted({i for i, off in slots if not _matches(buf, off, size, crcs.get(off))} |
+                                {i for i, off, crc in check if not _matches(buf, off, size, crc)})
             for n, chunk in enumerate(chunks):
                 if n:
                     yield  # a turn ends: other clients' chunks may run before the next
@@ -266,4 +266,8 @@ class CopyRunner:
 
 
 def _crc(buf, offset: int, size: int) -> int:
-    return zlib.crc32(memoryview(buf)[offset:offset + size])
+    return checksum.of(memoryview(buf)[offset:offset + size])
+
+
+def _matches(buf, offset: int, size: int, crc: int | None) -> bool:
+    return checksum.matches(memoryview(buf)[offset:offset + size], crc)

@@ -19,7 +19,7 @@ unlinked and new ones made. A name the daemon cannot unlink (another user's,
 when the daemon is not root: /dev/shm is sticky) means no warm restart this
 run (a pool with an unguessable name instead), never a failed start.
 
-Verification: each record carries the crc32 of its block taken when its
+Verification: each record carries the checksum (pool/checksum.py) of its block taken when its
 store's copy finished; an adopted block is checked at its first load, on
 the copy thread, before its bytes are reported loaded (a mismatch reports
 the block missing and drops it). Checking at adoption would read the whole

@@ -12,14 +12,16 @@ Layout: a ``HEADER_BYTES`` header (the payload starts 4 KiB-aligned, so
 ``O_DIRECT`` reads stay possible), then the block's bytes.
 
   magic  8s   b"KVTDISK\\0"
-  version H   FORMAT_VERSION: another version is never read, only deleted
+  version H   FORMAT_VERSION (2); version 1 (a CRC-32 payload checksum) is still read;
+              another version is never read, only deleted
   keylen  H   block hash length
   fplen   H   namespace key length (UTF-8)
   _pad    H
   seq     Q   must match the file name
   size    Q   payload bytes: must match the file size and the namespace
-  crc     I   crc32 of the payload
-  then the key, the namespace key, and crc32 of everything before it (I).
+  crc     I   CRC-32C of the payload (version 1: zlib's CRC-32; ``Header.crc`` carries it
+              tagged, ``pool/checksum.py``)
+  then the key, the namespace key, and zlib's crc32 of everything before it (I).
 
 Primitives: ``encode_header(ns_key, key, seq, size, crc) -> bytes``,
 ``decode_header(buf) -> Header | str`` (a reason when it is not ours),
@@ -34,8 +36,11 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from ..pool import checksum
+
 MAGIC = b"KVTDISK\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)  # 1: the payload checksum is a CRC-32 (before CRC-32C, pool/checksum.py)
 HEADER_BYTES = 4096
 PAGE = 4096  # the allocation unit of ext4/xfs/tmpfs, and O_DIRECT's alignment: a file takes whole pages
 SUFFIX = ".kvb"
@@ -50,7 +55,7 @@ class Header:
     key: bytes
     seq: int
     size: int
-    crc: int
+    crc: int       # payload checksum as pool/checksum.py keeps it (a version 1 file's tagged)
 
 
 def file_bytes(size: int) -> int:
@@ -87,6 +92,9 @@ def parse_name(name: str) -> tuple[bytes, int] | None:
 
 
 def encode_header(ns_key: str, key: bytes, seq: int, size: int, crc: int) -> bytes:
+    """``crc``: the payload's CRC-32C (``checksum.of``); a file is always written in this version."""
+    if checksum.is_legacy(crc):
+        raise ValueError("a block file is written with the payload's CRC-32C, not a CRC-32")
     fp = ns_key.encode()
     if len(fp) > MAX_NS_KEY or len(key) > 64:
         raise ValueError("namespace key or block hash too long for a disk header")
@@ -102,8 +110,8 @@ def decode_header(buf) -> Header | str:
     magic, version, keylen, fplen, _, seq, size, crc = _FIXED.unpack_from(buf)
     if magic != MAGIC:
         return "not a kvtier block file"
-    if version != FORMAT_VERSION:
-        return f"format version {version}, this daemon reads {FORMAT_VERSION}"
+    if version not in READ_VERSIONS:
+        return f"format version {version}, this daemon reads {', '.join(map(str, READ_VERSIONS))}"
     end = _FIXED.size + keylen + fplen
     if keylen > 64 or end + 4 > HEADER_BYTES:
         return "header lengths out of range"
@@ -115,4 +123,4 @@ def decode_header(buf) -> Header | str:
         ns_key = bytes(buf[_FIXED.size + keylen:end]).decode()
     except UnicodeDecodeError:
         return "namespace key is not UTF-8"
-    return Header(ns_key, key, seq, size, crc)
+    return Header(ns_key, key, seq, size, checksum.legacy(crc) if version == 1 else crc)

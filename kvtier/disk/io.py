@@ -15,7 +15,8 @@ returned: only then may the pool bytes it names be reused.
 
 Files are read with ``os.preadv`` straight into the pool (``O_DIRECT`` where
 the filesystem takes it, else buffered and then dropped from the page
-cache), checked against the header the index expects and the payload crc32.
+cache), checked against the header the index expects and the payload's checksum
+(``pool/checksum.py``).
 Writes go to ``tmp/`` and are renamed into place, with ``O_DIRECT`` from the
 pool slot where reads use it (no page-cache copy, no writeback work for the
 kernel's flusher threads on the cores the stores need); see BENCHMARKS.md
@@ -38,9 +39,9 @@ import mmap
 import os
 import threading
 import time
-import zlib
 from collections import Counter
 
+from ..pool import checksum
 from ..pool.keys import owner_of
 from ..waker import Inbox
 from .files import (ALIGN, OPEN_READ, buffer_address, check_file, direct_io_works, lower_priority, quiet_unlink,
@@ -245,7 +246,7 @@ class DiskIO:
     def _write_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         ns_key, key, seq, off = job.items[i]
         payload = self.pool[off:off + job.size]
-        crc = zlib.crc32(payload)
+        crc = checksum.of(payload)
         final = self.path_of(ns_key, key, seq)
         tmp = os.path.join(self.root, TMP_DIR, f"{self._tmp_prefix}{seq:x}.tmp")
         # O_DIRECT: the device reads the slot itself (pinned until this returns), the header from
@@ -347,7 +348,7 @@ class DiskIO:
                 return h
             if (h.ns_key, h.key, h.seq, h.size, h.crc) != (entry.ns_key, entry.key, entry.seq, size, entry.crc):
                 return "header names another block"
-            if zlib.crc32(dest) != entry.crc:
+            if not checksum.matches(dest, entry.crc):
                 return "payload checksum mismatch"
             return ""
         finally:

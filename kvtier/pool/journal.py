@@ -11,7 +11,8 @@ record is self-validating and written in an order that makes every
 intermediate state either invalid or complete:
   * a slot is claimed only when its record's first word (crc) is zero;
   * commit: the body (namespace slot + tag, generation, offset, size, data
-    crc32, block hash) is written, then the crc over the body - last;
+    checksum and its algorithm, block hash) is written, then the crc over
+    the body - last;
   * remove: the crc word is zeroed first (the record is dead from then on),
     then the body.
 A reader accepts a record only when its crc matches, its generation is
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import checksum
 from .keys import owner_of
 
 MAGIC = b"KVTWARM\x00"
@@ -69,7 +71,9 @@ MIN_RECORDS = 4096
 _HEAD = struct.Struct("<8sII")                # magic, version, crc of the fields below
 _FIELDS = struct.Struct("<QQQQd")             # pool size, slab size, records, ns slots, created
 _NS = struct.Struct("<IIQI")                  # crc, key length, tag, block bytes; key bytes follow
-_REC = struct.Struct("<IIQQII16sQ8x")         # crc, ns slot, generation, offset, size, data crc, hash, ns tag
+# crc, ns slot, generation, offset, size, data checksum, hash, ns tag, its algorithm: 1 CRC-32C, 0 a CRC-32
+# (a record of an earlier daemon: the byte was padding, so zero; pool/checksum.py keeps it tagged)
+_REC = struct.Struct("<IIQQII16sQB7x")
 MAX_NS_KEY = NS_SLOT_BYTES - _NS.size
 assert _REC.size == RECORD_BYTES
 
@@ -94,7 +98,7 @@ class Kept:
     block_bytes: int
     key: bytes
     offset: int
-    crc: int
+    crc: int       # the block's checksum as pool/checksum.py keeps it
     gen: int
 
 
@@ -163,13 +167,13 @@ class Journal:
         for rec in self._used_records():
             pos = self._rec_base + rec * RECORD_BYTES
             raw = self.buf[pos:pos + RECORD_BYTES]
-            crc, slot, gen, offset, size, dcrc, key, tag = _REC.unpack(raw)
+            crc, slot, gen, offset, size, dcrc, key, tag, algo = _REC.unpack(raw)
             ns = spaces.get(slot)
-            if (crc != _crc(raw[4:]) or gen == 0 or ns is None or ns[1] != tag or ns[2] != size
+            if (crc != _crc(raw[4:]) or gen == 0 or algo > 1 or ns is None or ns[1] != tag or ns[2] != size
                     or size <= 0 or offset < 0 or offset + size > self.pool_size):
                 rejected += 1
                 continue
-            kept.append(Kept(rec, ns[0], size, key, offset, dcrc, gen))
+            kept.append(Kept(rec, ns[0], size, key, offset, dcrc if algo else checksum.legacy(dcrc), gen))
         kept.sort(key=lambda k: k.gen)
         return kept, rejected
 
@@ -228,7 +232,8 @@ class Journal:
         else:
             rec, self._fresh = self._fresh, self._fresh + 1
         pos = self._rec_base + rec * RECORD_BYTES
-        body = _REC.pack(0, ns[0], self._gen, offset, block_bytes, crc, key, ns[1])[4:]
+        body = _REC.pack(0, ns[0], self._gen, offset, block_bytes, checksum.plain(crc), key, ns[1],
+                         0 if checksum.is_legacy(crc) else 1)[4:]
         self.buf[pos + 4:pos + RECORD_BYTES] = body
         struct.pack_into("<I", self.buf, pos, _crc(body))  # last: until here the record is invalid
         self._gen += 1

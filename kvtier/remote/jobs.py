@@ -45,7 +45,7 @@ class Job:
     dropped: dict = field(default_factory=dict)  # write: why -> blocks not written for good (budget, rejected)
     if_missing: bool = False     # write: SET only the blocks the store lacks (warm restart's re-queue)
     present: list = field(default_factory=list)  # write, if_missing: indices the store held already
-    crcs: list = field(default_factory=list)     # fetch: (offset, crc32) of verified payloads
+    crcs: list = field(default_factory=list)     # fetch: (offset, checksum as pool/checksum.py keeps it)
     error: str = ""              # why the store could not be asked ("" = it answered)
     tenant: str = ""             # probe, fetch: whose turn it takes (turns.py)
 

@@ -44,6 +44,7 @@ from .jobs import Deadlines, Job, more_writes
 from .settings import RemoteSettings
 from .store import RedisStore, Unreachable
 from .turns import Slots, TurnQueue
+from ..pool import checksum
 from ..waker import Inbox
 
 log = logging.getLogger("kvtier.remote")
@@ -322,7 +323,7 @@ class RemoteTier:
                     continue
                 off = job.offsets[i]
                 self.pool[off:off + job.size] = memoryview(value)[v.HEADER_BYTES:]
-                job.crcs.append((off, verdict.crc))
+                job.crcs.append((off, checksum.legacy(verdict.crc)))  # a KVT2 value's is a CRC-32
                 tally["fetched"] += 1
             del got
         if rejected:

@@ -7,12 +7,12 @@ daemons, real files."""
 from __future__ import annotations
 
 import os
-import zlib
 
 import msgpack
 import zmq
 
 from kvtier.disk.format import HEADER_BYTES, block_name, decode_header, encode_header, file_bytes, ns_dir
+from kvtier.pool import checksum
 from tests.daemon.test_disk_tier import BLOCK, block_files, chain, disk_env, scanned, written
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
@@ -25,7 +25,7 @@ def plant_old_files(root, ns_key: str, n: int) -> None:
     """``n`` valid block files of ``ns_key``, older (smaller seq) than any a daemon writes."""
     d = os.path.join(root, ns_dir(ns_key))
     payload = bytes(SMALL)
-    crc = zlib.crc32(payload)
+    crc = checksum.of(payload)
     for seq in range(1, n + 1):
         key = b"old" + seq.to_bytes(13, "little")
         fd = os.open(os.path.join(d, block_name(key, seq)), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -5,14 +5,16 @@ capacity, drops the oldest first and keeps the newer of two copies."""
 from __future__ import annotations
 
 import struct
+import zlib
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvtier.disk.format import (FORMAT_VERSION, HEADER_BYTES, block_name, decode_header, encode_header,
-                                file_bytes, parse_name)
+from kvtier.disk.format import (_FIXED, FORMAT_VERSION, HEADER_BYTES, MAGIC, block_name, decode_header,
+                                encode_header, file_bytes, parse_name)
 from kvtier.disk.index import DiskEntry, DiskIndex
+from kvtier.pool import checksum
 from kvtier.pool.keys import SEP, ns_key
 
 KEY = bytes(range(16))
@@ -33,6 +35,17 @@ def test_a_header_round_trips_and_every_damage_is_named():
         bad = bytearray(h)
         bad[at] ^= 1
         assert isinstance(decode_header(bytes(bad)), str), at
+
+
+def test_a_format_1_header_is_read_with_its_crc32_tagged_and_a_crc32_is_never_written():
+    fp = NS_KEY.encode()
+    body = _FIXED.pack(MAGIC, 1, len(KEY), len(fp), 0, 7, 4096, 0xDEADBEEF) + KEY + fp
+    body += struct.pack("<I", zlib.crc32(body))
+    got = decode_header(body + bytes(HEADER_BYTES - len(body)))  # as a daemon of format 1 wrote it
+    assert got.crc == checksum.legacy(0xDEADBEEF) and checksum.is_legacy(got.crc)
+    assert not checksum.is_legacy(decode_header(encode_header(NS_KEY, KEY, 7, 4096, 0xDEADBEEF)).crc)
+    with pytest.raises(ValueError):
+        encode_header(NS_KEY, KEY, 7, 4096, got.crc)
 
 
 def test_file_names_parse_back_and_others_are_refused():

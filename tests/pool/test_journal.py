@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from kvtier.pool import checksum
 from kvtier.pool import journal as jn
 from kvtier.pool.allocator import SlabAllocator
 from kvtier.pool.index import BlockIndex
@@ -40,6 +41,21 @@ def test_what_is_committed_is_found_with_its_namespace_and_checksum():
     assert rejected == 0
     assert [(k.ns_key, k.key, k.offset, k.crc) for k in kept] == [
         (A if i % 2 else B, keys[i], i * 16384, 1000 + i) for i in range(1, 10)]
+
+
+def test_a_record_keeps_which_algorithm_its_checksum_is_of_and_an_unknown_one_is_refused():
+    buf, j = fresh()
+    old, new = checksum.legacy(0xCAFE), checksum.of(b"block")  # an adopted CRC-32, a CRC-32C
+    assert j.commit(A, 16384, bytes(16), 0, old) and j.commit(A, 16384, bytes(range(16)), 16384, new)
+    assert [k.crc for k in reopen(buf)[0]] == [old, new]
+    pos = jn.HEADER_BYTES + jn.NS_SLOTS * jn.NS_SLOT_BYTES  # the first record: algorithm byte 7,
+    fields = list(jn._REC.unpack(buf[pos:pos + jn.RECORD_BYTES]))  # its record crc made to match
+    fields[8] = 7
+    body = jn._REC.pack(0, *fields[1:])[4:]
+    buf[pos + 4:pos + jn.RECORD_BYTES] = body
+    buf[pos:pos + 4] = jn._crc(body).to_bytes(4, "little")
+    kept, rejected = reopen(buf)
+    assert [k.crc for k in kept] == [new] and rejected == 1
 
 
 class Torn(Exception):
