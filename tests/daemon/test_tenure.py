@@ -119,7 +119,7 @@ def audit(d) -> dict:
         time.sleep(0.1)
     line = d.read_log().split("gc audit:")[-1].splitlines()[0]
     leaked, frozen = map(int, re.match(r" (\d+) objects in garbage cycles among (\d+) frozen", line).groups())
-    return {"leaked": leaked, "frozen": frozen}
+    return {"leaked": leaked, "frozen": frozen, "line": line.strip()}  # the line names the kinds
 
 
 def test_a_daemon_under_churn_freezes_its_survivors_and_keeps_no_garbage(daemon_factory, tmp_path):
