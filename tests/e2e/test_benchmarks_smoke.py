@@ -148,6 +148,23 @@ def test_bench_disk_stores_refuses_what_cannot_run(args):
     assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bench_disk_writes_times_every_step_of_every_writer_path(tmp_path):
+    report = tmp_path / "writes.json"
+    script("bench_disk_writes.py", "--blocks", "8", "--rounds", "1", "--dir", str(tmp_path), "--json", str(report))
+    rows = json.loads(report.read_text())["rows"]
+    assert len(rows) in (2, 4) and all(r["cpu"] > 0 and r["wall"] > 0 for r in rows.values())  # 2: no O_DIRECT
+    tier = rows["file per block, buffered"]
+    assert tier["rename"] > 0 and tier["open"] > 0  # the per-file steps the one-file rows do not take
+    assert os.listdir(tmp_path) == ["writes.json"]  # every variant's files removed
+
+
+@pytest.mark.parametrize("args", [["--blocks", "0"], ["--rounds", "0"], ["--dir", "/nonexistent"]])
+def test_bench_disk_writes_refuses_what_cannot_run(args):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_disk_writes.py"), *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bench_engine_reports_every_row_of_issue_16_as_a_ratio():
     """Copy rows (per-layer, scattered), lookups next to the bare echo (over the
     socket and from the daemon's shm lookup mirror) and the multi-client throughput rows."""

@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+# Feeds BENCHMARKS.md section 13.8 (what a disk writer's CPU per block is made of).
+"""Where a disk writer's CPU goes, system call by system call, per 256 KiB block.
+
+    python scripts/bench_disk_writes.py [--blocks 400] [--rounds 3] [--dir /var/tmp] [--json F]
+
+The disk tier writes each block as a file of its own (``kvtier/disk/io.py``):
+open a file under ``tmp/`` (``O_DIRECT`` where the filesystem takes it), one
+``pwritev`` of the header page and the payload straight from the pool, close,
+rename into its namespace's directory; and, once the disk is full, each new
+file costs an old one's ``unlink``. Under a store flood the writers' CPU is
+what the stores compete with (BENCHMARKS.md 13.6). This times, on the calling
+thread (``time.thread_time``: the CPU the kernel charges the writer, system
+time included), each step of that path over ``--blocks`` blocks of a
+page-aligned anonymous buffer (a stand-in for the pool), against the same
+bytes written by ``pwritev`` at offsets of one file opened once (a
+log-structured layout's write: no open, close, rename or unlink per block),
+with and without ``O_DIRECT``. Variants run in turn within each round; the
+files are removed after each variant. The checksum is left out (13.7 times it).
+
+Output: a markdown table (CPU us per block per step, median over rounds) and
+the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from kvtier.disk.files import direct_io_works
+
+BLOCK = 256 * 1024
+HEADER = 4096
+STEPS = ("open", "write", "close", "rename", "unlink")
+
+
+def per_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
+    """The tier's path: a file per block, renamed into place, and one unlinked per block written."""
+    tmp, final = os.path.join(root, "tmp"), os.path.join(root, "ns")
+    os.makedirs(tmp), os.makedirs(final)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    header = memoryview(mmap.mmap(-1, HEADER))
+    cpu = dict.fromkeys(STEPS, 0.0)
+    slots = len(buf) // BLOCK
+    names = []
+    for i in range(blocks):
+        payload = memoryview(buf)[(i % slots) * BLOCK:(i % slots + 1) * BLOCK]
+        t = os.path.join(tmp, f"{i:x}.tmp")
+        f = os.path.join(final, f"{i:032x}.kvb")
+        c0 = time.thread_time()
+        fd = os.open(t, flags, 0o600)
+        c1 = time.thread_time()
+        os.pwritev(fd, [header, payload], 0)
+        c2 = time.thread_time()
+        os.close(fd)
+        c3 = time.thread_time()
+        os.rename(t, f)
+        c4 = time.thread_time()
+        names.append(f)
+        if len(names) > 64:  # a full disk: each new file costs an old one
+            os.unlink(names.pop(0))
+        c5 = time.thread_time()
+        for step, a, b in zip(STEPS, (c0, c1, c2, c3, c4), (c1, c2, c3, c4, c5)):
+            cpu[step] += b - a
+        payload.release()
+    return cpu
+
+
+def one_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
+    """The same bytes by pwritev at offsets of one file opened once (slots reused past 64)."""
+    header = memoryview(mmap.mmap(-1, HEADER))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    cpu = dict.fromkeys(STEPS, 0.0)
+    slots = len(buf) // BLOCK
+    c0 = time.thread_time()
+    fd = os.open(os.path.join(root, "log"), flags, 0o600)
+    cpu["open"] += time.thread_time() - c0
+    try:
+        for i in range(blocks):
+            payload = memoryview(buf)[(i % slots) * BLOCK:(i % slots + 1) * BLOCK]
+            c1 = time.thread_time()
+            os.pwritev(fd, [header, payload], (i % 65) * (HEADER + BLOCK))
+            cpu["write"] += time.thread_time() - c1
+            payload.release()
+    finally:
+        c2 = time.thread_time()
+        os.close(fd)
+        cpu["close"] += time.thread_time() - c2
+    return cpu
+
+
+VARIANTS = {
+    "file per block, O_DIRECT (the tier)": (per_file, True),
+    "file per block, buffered": (per_file, False),
+    "one file, O_DIRECT at offsets": (one_file, True),
+    "one file, buffered at offsets": (one_file, False),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.blocks < 1 or args.rounds < 1:
+        ap.error("--blocks and --rounds must be at least 1")
+    if not os.path.isdir(args.dir):
+        ap.error(f"--dir {args.dir} is not a directory")
+    buf = mmap.mmap(-1, 64 * BLOCK)
+    buf.write(os.urandom(len(buf)))
+    load0 = os.getloadavg()
+    direct_ok = direct_io_works(args.dir)  # tmpfs before Linux 6.6 refuses O_DIRECT: those rows left out
+    variants = {name: v for name, v in VARIANTS.items() if direct_ok or not v[1]}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (fn, direct) in variants.items():
+            root = tempfile.mkdtemp(prefix="kvtier-bench-writes-", dir=args.dir)
+            try:
+                w0 = time.perf_counter()
+                cpu = fn(root, buf, args.blocks, direct)
+                cpu["wall"] = time.perf_counter() - w0
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            runs[name].append({k: v / args.blocks * 1e6 for k, v in cpu.items()})
+    load1 = os.getloadavg()
+    cols = (*STEPS, "wall")
+    print(f"Load average at start {load0[0]:.2f}, at end {load1[0]:.2f}; {os.cpu_count()} CPUs; dir {args.dir}; "
+          f"{args.blocks} blocks of 256 KiB (+4 KiB header) x {args.rounds} rounds, variants in turn"
+          + ("" if direct_ok else "; O_DIRECT refused here, its rows left out") + "\n")
+    print("| writer path | " + " | ".join(f"{c} us" for c in STEPS) + " | CPU us per block | wall us per block |")
+    print("|---|" + "---:|" * (len(STEPS) + 2))
+    table = {}
+    for name, rs in runs.items():
+        med = {c: statistics.median(r[c] for r in rs) for c in cols}
+        total = statistics.median(sum(r[c] for c in STEPS) for r in rs)
+        table[name] = {**med, "cpu": total, "runs_cpu": [round(sum(r[c] for c in STEPS), 1) for r in rs]}
+        print(f"| {name} | " + " | ".join(f"{med[c]:.1f}" for c in STEPS) + f" | {total:.1f} | {med['wall']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"loadavg": [load0[0], load1[0]], "rows": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
