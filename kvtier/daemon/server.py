@@ -58,7 +58,7 @@ from .lookup_index import STALE_PREFIX as INDEX_PREFIX
 from .replies import Replies
 from .requests import RequestHandlers
 from .sessions import Sessions
-from .startup import POOL_PREFIX, check_ram, new_pool, start_gpu, start_lookup_indexes
+from .startup import POOL_PREFIX, check_checksum, check_ram, new_pool, start_gpu, start_lookup_indexes
 from .stats import daemon_stats
 from .tenancy import cluster_names
 from .warm import WarmPool, discard_kept
@@ -88,6 +88,7 @@ class Daemon:
         if self.warm is None:
             discard_kept(config)
         check_ram(config, self.warm.kept_bytes() if self.warm else 0)
+        check_checksum()
         self.notifier.status(f"mapping pool ({format_size(config.pool_size)})")
         log.info("reserving and prefaulting a %s pool (about a second per GiB per core) unless one was kept...",
                  format_size(config.pool_size))

@@ -12,6 +12,7 @@ import platform
 import psutil
 import torch
 
+from ..pool import checksum
 from ..pool.prefault import FIRST
 from ..pool.segment import SHM_DIR, SegmentError, ShmSegment, unique_name
 from ..pool.shm_index import seqlock_safe
@@ -54,6 +55,16 @@ def new_pool(config: DaemonConfig) -> ShmSegment:
                 raise  # no room: the caller reports it
             log.warning("pool name %s is taken (%s): drawing another", name, exc)
     raise StartupError("three random pool names were all taken in /dev/shm")
+
+
+def check_checksum() -> None:
+    """Blocks' checksums run on the CPU's CRC-32C instruction; without it (or with
+    CRC32C_SW_MODE=force) the same values come from a table-driven loop, slower per byte
+    than the copies they guard: every disk write, disk read and warm-restart commit pays it."""
+    if checksum.IMPLEMENTATION != "crc32c-hardware":
+        log.warning("this CPU has no CRC-32C instruction the crc32c package can use (or "
+                    "CRC32C_SW_MODE=force): blocks' checksums run in software, slower on every "
+                    "disk write, disk read and warm-restart commit")
 
 
 def start_lookup_indexes(config: DaemonConfig) -> LookupIndexes | None:

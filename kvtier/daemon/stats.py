@@ -10,6 +10,7 @@ import time
 from typing import Protocol
 
 from ..protocol.messages import PROTOCOL_VERSION
+from ..pool import checksum
 from ..pool.index import STAT_KEYS
 from .sessions import operator_quota
 from .state import NO_CAP
@@ -86,6 +87,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
         "pool": {**d.index.capacity(),
                  "blocks": sum(n["blocks"] for n in namespaces),
                  "evictions": d.index.evictions, "policy": d.config.policy,
+                 "checksum": checksum.IMPLEMENTATION,
                  **_pin_stats(d.gpu)},
         "swap": {"bytes": d.swap.total_bytes, "max_bytes": d.swap.max_bytes,
                  "pinned_slab_bytes": d.swap.pinned_slab_bytes,

@@ -15,9 +15,14 @@ both which algorithm and what value, in every table that holds checksums
 (the disk index, the daemon's ``crcs``, warm restart's unverified blocks),
 and ``matches`` checks either kind. A CRC-32C value is a plain 32-bit int.
 
+Where the CPU lacks the instruction (or ``CRC32C_SW_MODE=force``), the
+package's table-driven code computes the same values, more slowly: the daemon
+warns at start and ``kvtier status`` says which (``pool.checksum``).
+
 Primitives: ``of(buf) -> int`` (CRC-32C of a buffer), ``legacy(crc32) -> int``
 (the tagged form of a CRC-32), ``is_legacy(value)``, ``plain(value) -> int``
-(the 32 bits a format stores), ``matches(buf, value) -> bool``.
+(the 32 bits a format stores), ``matches(buf, value) -> bool``,
+``IMPLEMENTATION`` ("crc32c-hardware" or "crc32c-software").
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from __future__ import annotations
 import zlib
 
 from crc32c import crc32c as _crc32c
+from crc32c import hardware_based as _hardware
+
+IMPLEMENTATION = "crc32c-hardware" if _hardware else "crc32c-software"
 
 LEGACY = 1 << 32
 MASK = LEGACY - 1

@@ -134,3 +134,40 @@ def test_a_warm_restart_from_a_journal_of_crc32_records_verifies_each_and_refuse
             assert all(torch.equal(got[i * 4 + j], want[i * 4 + j]) for j in range(4)), i
     s = second.stats()["warm_restart"]
     assert s["adopted_blocks"] == 8 and s["verify_failed"] == 1
+
+
+def test_a_daemon_without_the_crc_instruction_says_so_and_reads_what_a_hardware_one_wrote(daemon_factory,
+                                                                                        tmp_path):
+    # The same CRC-32C from the package's software loop (CRC32C_SW_MODE=force stands in for a
+    # CPU without the instruction): the operator is told at start and in status, and the block
+    # files a hardware daemon wrote load byte-exact in it, and its files in a hardware one.
+    root = tmp_path / "disk"
+    env = disk_env(root, "16MiB")
+    kv = make_kv(seed=35)
+    hw = daemon_factory(process=True, env=env)
+    assert hw.stats()["pool"]["checksum"] == "crc32c-hardware"
+    want = store_to_disk(hw, kv, chain(35, 4))
+    assert "checksums run in software" not in hw.read_log()
+    hw.stop()
+    sw = restarted(daemon_factory, tmp_path, {**env, "CRC32C_SW_MODE": "force"}, process=True)
+    assert sw.stats()["pool"]["checksum"] == "crc32c-software"
+    assert "blocks' checksums run in software" in sw.read_log()
+    with sw.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        for t in kv.tensors:
+            t.zero_()
+        r = c.load(chain(35, 4), list(range(4))).wait()
+        assert r.ok and r.done == 4, r
+        assert all(torch.equal(a, b) for a, b in zip(blocks(kv, range(4)), want))
+        assert c.store(chain(36, 4), list(range(4))).wait().ok
+        assert written(sw, 4)
+    sw.stop()
+    again = restarted(daemon_factory, tmp_path, env, process=True)
+    with again.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        for t in kv.tensors:
+            t.zero_()
+        r = c.load(chain(36, 4), list(range(4))).wait()
+        assert r.ok and r.done == 4, r
+        assert all(torch.equal(a, b) for a, b in zip(blocks(kv, range(4)), want))
+    assert again.stats()["disk"]["rejected"] == 0
