@@ -9,7 +9,8 @@ ARMv8: the ``crc32c`` package computes it at 11-23 GB/s here, releasing the
 GIL, and keeps a table-driven C fallback where the instruction is missing.
 
 What earlier daemons wrote (block files of format 1, journal records with no
-algorithm byte, remote values of the ``KVT2`` format) carries CRC-32. Such a
+algorithm byte) carries CRC-32 (remote values of the ``KVT2`` format did
+too; they are no longer read: ``remote/values.py``). Such a
 value is kept *tagged*: bit 32 set above the 32-bit CRC-32. So one int says
 both which algorithm and what value, in every table that holds checksums
 (the disk index, the daemon's ``crcs``, warm restart's unverified blocks),

@@ -20,7 +20,7 @@ import re
 
 from .settings import RemoteSettings
 
-# A key (kvt1:/kvt2: and hex) or any long hex run (a namespace digest, a block hash).
+# A key (kvt1:/kvt2:/kvt3: and hex) or any long hex run (a namespace digest, a block hash).
 _KEYISH = re.compile(r"kvt\d+:[0-9a-fA-F:]*|[0-9a-fA-F]{16,}")
 # redis-py's annotation of a pipeline error quotes the command: its key and value bytes.
 _COMMAND = re.compile(r"\(.*\)(?= of pipeline caused error)", re.DOTALL)

@@ -13,7 +13,7 @@ and a probe never waits behind a fetch:
                  hits by the deadline thread (jobs.py), the late answer dropped
   fetch thread   pipelined GET, authenticate, copy payloads into the pool;
                  a cancelled fetch stops at its next batch
-  write thread   crc32 + MAC header, pipelined SET with a TTL, byte budget
+  write thread   CRC-32C + MAC header, pipelined SET with a TTL, byte budget
 
 The pool is any writable buffer (the daemon's shared-memory segment; a
 bytearray in tests). The caller guarantees the pool bytes a job names stay
@@ -44,7 +44,6 @@ from .jobs import Deadlines, Job, more_writes
 from .settings import RemoteSettings
 from .store import RedisStore, Unreachable
 from .turns import Slots, TurnQueue
-from ..pool import checksum
 from ..waker import Inbox
 
 log = logging.getLogger("kvtier.remote")
@@ -323,7 +322,7 @@ class RemoteTier:
                     continue
                 off = job.offsets[i]
                 self.pool[off:off + job.size] = memoryview(value)[v.HEADER_BYTES:]
-                job.crcs.append((off, checksum.legacy(verdict.crc)))  # a KVT2 value's is a CRC-32
+                job.crcs.append((off, verdict.crc))  # a CRC-32C (values.py)
                 tally["fetched"] += 1
             del got
         if rejected:

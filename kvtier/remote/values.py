@@ -6,10 +6,10 @@ keyed by the remote secret (``remote_secret_file``, readable by the
 daemon's user alone). Whoever reaches the store without the secret can
 neither name a namespace's keys nor write a value any node accepts:
 
-    key    = b"kvt2:" + hex(ns.short) + b":" + hex(block hash)
+    key    = b"kvt3:" + hex(ns.short) + b":" + hex(block hash)
     value  = header (80 bytes) + payload (the block's bytes)
-    header = magic b"KVT2" | ns.full (16) | block hash (16, zero-padded) |
-             payload length (u64 LE) | crc32(payload) (u32 LE) |
+    header = magic b"KVT3" | ns.full (16) | block hash (16, zero-padded) |
+             payload length (u64 LE) | crc32c(payload) (u32 LE) |
              HMAC-SHA256(mac key, header[:48] + payload) (32)
 
     ns.full  = HMAC-SHA256(ns key, tenant SEP fingerprint)[:16]
@@ -20,15 +20,24 @@ namespace digest reveals nothing about the model or tenant behind it. The
 MAC covers namespace, hash, length, checksum and payload: a value copied to
 another block or namespace (a replay) fails the binding check (FOREIGN), a
 value written without the secret fails the MAC (FORGED). A value failing
-the MAC whose crc32 still matches its payload was made by someone without
-the secret; one whose crc32 does not match was damaged (CORRUPT). The
-reader does not recompute the crc32 of an authenticated value: the writer
+the MAC whose checksum still matches its payload was made by someone without
+the secret; one whose checksum does not match was damaged (CORRUPT). The
+reader does not recompute the checksum of an authenticated value: the writer
 holds the secret, so the crc in its header is the payload's and can seed
 the daemon's ``checksums`` table. HMAC-SHA256 runs at ~1.5 GB/s per core
 here (OpenSSL, SHA extensions), about twice keyed BLAKE2b in CPython.
 
-Version 1 values (``kvt1:`` keys, unauthenticated 48-byte headers) are never
-read: their keys are not looked up, and they expire with their TTL.
+The checksum is a CRC-32C (``pool/checksum.py``), as in the disk tier's files
+and the journal: a writer frames a 256 KiB value at 1.5-1.6 GB/s where zlib's
+CRC-32 left 1.2 (BENCHMARKS.md 7.2), and the crc it hands the ``checksums``
+table is the kind the daemon verifies fastest.
+
+Earlier versions are never read: their keys are not looked up, and they expire
+with their TTL. Version 1 (``kvt1:`` keys) had unauthenticated 48-byte
+headers; version 2 (``kvt2:``, ``KVT2``) is version 3 with a CRC-32. So while
+a cluster's nodes are upgraded one by one, an upgraded node and an older one
+each miss what the other wrote (a recompute, never a wrong block) and neither
+deletes the other's values, which it would as corrupt if they shared keys.
 
 Primitives: ``ValueCodec(secret)`` with ``.namespace(fp)``, ``.key(ns,
 hash)``, ``.frame(ns, hash, payload) -> (header, crc)``, ``.verify(value,
@@ -40,14 +49,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-import zlib
 from dataclasses import dataclass
 
-MAGIC = b"KVT2"
+from ..pool import checksum
+
+MAGIC = b"KVT3"
 FIELDS = struct.Struct("<4s16s16sQI")   # what the MAC covers before the payload
 MAC_BYTES = 32
 HEADER_BYTES = FIELDS.size + MAC_BYTES  # 80
-KEY_PREFIX = b"kvt2:"
+KEY_PREFIX = b"kvt3:"
 MIN_SECRET_BYTES = 32
 
 OK, MISSING, TORN, FOREIGN, CORRUPT, FORGED = "ok", "missing", "torn", "foreign", "corrupt", "forged"
@@ -63,7 +73,7 @@ class NamespaceDigest:
 @dataclass(frozen=True)
 class Verdict:
     status: str            # OK, MISSING, TORN, FOREIGN, CORRUPT or FORGED
-    crc: int = 0           # payload crc32 when OK
+    crc: int = 0           # the payload's CRC-32C when OK
     why: str = ""
 
     @property
@@ -101,8 +111,8 @@ class ValueCodec:
         return h.digest()
 
     def frame(self, ns: NamespaceDigest, block: bytes, payload) -> tuple[bytes, int]:
-        """The header for ``payload`` (any buffer) and the payload's crc32."""
-        crc = zlib.crc32(payload)
+        """The header for ``payload`` (any buffer) and the payload's CRC-32C."""
+        crc = checksum.of(payload)
         fields = FIELDS.pack(MAGIC, ns.full, _padded(block), memoryview(payload).nbytes, crc)
         return fields + self._mac(fields, payload), crc
 
@@ -125,7 +135,7 @@ class ValueCodec:
         payload = mv[HEADER_BYTES:]
         mac = self._mac(mv[:FIELDS.size].tobytes(), payload)
         if not hmac.compare_digest(mac, mv[FIELDS.size:HEADER_BYTES]):
-            if zlib.crc32(payload) != crc:
+            if checksum.of(payload) != crc:
                 return Verdict(CORRUPT, why="checksum mismatch")
             return Verdict(FORGED, why="bad MAC: not written with this cluster's secret")
         return Verdict(OK, crc)

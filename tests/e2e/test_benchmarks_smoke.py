@@ -165,6 +165,12 @@ def test_bench_disk_writes_refuses_what_cannot_run(args):
     assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_bench_remote_values_times_framing_and_verifying_each_size():
+    out = json.loads(script("bench_remote_values.py", "--runs", "1", "--json"))
+    assert [r["bytes"] for r in out["rows"]] == [262144, 4096]
+    assert all(min(r["frame_us"], r["verify_us"], r["frame_gbps"], r["verify_gbps"]) > 0 for r in out["rows"])
+
+
 def test_bench_engine_reports_every_row_of_issue_16_as_a_ratio():
     """Copy rows (per-layer, scattered), lookups next to the bare echo (over the
     socket and from the daemon's shm lookup mirror) and the multi-client throughput rows."""

@@ -21,6 +21,7 @@ import zlib
 import pytest
 
 from kvtier.client import block_hashes
+from kvtier.pool import checksum
 from kvtier.pool.keys import ns_key
 from kvtier.remote import values as v
 from tests.helpers import NS, make_kv
@@ -40,15 +41,15 @@ def v1_key_and_value(tenant: str, block: bytes, payload: bytes) -> tuple[bytes, 
     return key, header + payload
 
 
-def forged_v2_value(ns: v.NamespaceDigest, block: bytes, payload: bytes) -> bytes:
+def forged_value(ns: v.NamespaceDigest, block: bytes, payload: bytes) -> bytes:
     """Every public field right (the namespace digest read off a real value's header), the MAC guessed."""
-    fields = v.FIELDS.pack(v.MAGIC, ns.full, block.ljust(16, b"\0"), len(payload), zlib.crc32(payload))
+    fields = v.FIELDS.pack(v.MAGIC, ns.full, block.ljust(16, b"\0"), len(payload), checksum.of(payload))
     return fields + hashlib.sha256(fields + payload).digest() + payload
 
 
 def test_a_forger_without_the_secret_plants_nothing_any_node_serves(daemon_factory, cluster):
     """Old-style forgeries (v1 keys for the victim's namespace, as any engine user could compute
-    them) are never looked at: 0 hits. A forgery written over a real v2 key (found by SCAN)
+    them) are never looked at: 0 hits. A forgery written over a real key (found by SCAN)
     fails the MAC: that block is reported failed, counted as forged, deleted from the cluster,
     and the engine's memory for it is untouched; the other blocks load byte-exactly."""
     tokens = [t + 1_000_000 for t in TOKENS]
@@ -66,9 +67,9 @@ def test_a_forger_without_the_secret_plants_nothing_any_node_serves(daemon_facto
     expected = store_prefix(a, tokens, seed=21)
     wait_remote(a, "written", 12)
     ns = CODEC.namespace(ns_key(TEAM, NS.fingerprint()))
-    real = [k for k in r.scan_iter(match=b"kvt2:*", count=1000) if k.endswith(hashes[7].hex().encode())]
+    real = [k for k in r.scan_iter(match=b"kvt3:*", count=1000) if k.endswith(hashes[7].hex().encode())]
     assert real == [CODEC.key(ns, hashes[7])]  # what the forger finds by scanning
-    r.set(real[0], forged_v2_value(ns, hashes[7], evil))
+    r.set(real[0], forged_value(ns, hashes[7], evil))
 
     kv = make_kv(seed=99)
     with b.client(name="victim") as c:
@@ -86,8 +87,35 @@ def test_a_forger_without_the_secret_plants_nothing_any_node_serves(daemon_facto
     rb = remote_stats(b)
     assert (rb["forged"], rb["fetched"], rb["corrupt"]) == (1, 11, 0)
     assert r.exists(real[0]) == 0  # deleted: no node is offered it again
-    print(f"\nforger: v1 keys for the victim's chain -> {hits} hits; forged v2 value -> rejected {rb['forged']}, "
+    print(f"\nforger: v1 keys for the victim's chain -> {hits} hits; forged value -> rejected {rb['forged']}, "
           f"deleted, 11 good blocks loaded")
+
+
+def test_what_a_version_2_node_wrote_is_a_miss_here_and_left_where_it_is(daemon_factory, cluster):
+    """During a rolling upgrade the cluster holds values an older node wrote (version 2:
+    ``kvt2:`` keys, a CRC-32, this cluster's secret). A node of this version never looks
+    them up (a miss, recomputed) and never deletes them, so the older nodes keep their hits."""
+    tokens = [t + 1_050_000 for t in TOKENS]
+    a = node(daemon_factory, cluster.url)
+    store_prefix(a, tokens, seed=23)
+    wait_remote(a, "written", 12)
+    r = cluster.client()
+    ns = CODEC.namespace(ns_key(TEAM, NS.fingerprint()))
+    ours = [CODEC.key(ns, h) for h in block_hashes(tokens, 16)]
+    old = []
+    for key in ours:  # each value as the version 2 writer made it, under its key, and ours gone
+        value = r.get(key)
+        payload = value[v.HEADER_BYTES:]
+        fields = v.FIELDS.pack(b"KVT2", *v.FIELDS.unpack_from(value)[1:4], zlib.crc32(payload))
+        old.append(b"kvt2:" + key[len(v.KEY_PREFIX):])
+        r.set(old[-1], fields + CODEC._mac(fields, payload) + payload)
+        r.delete(key)
+    b = node(daemon_factory, cluster.url)
+    hits, _, _ = lookup_and_load(b, tokens)
+    assert hits == 0
+    rb = remote_stats(b)
+    assert (rb["forged"], rb["corrupt"], rb["fetched"]) == (0, 0, 0)
+    assert sum(r.exists(k) for k in old) == 12  # every older value still there for older nodes
 
 
 def test_a_valid_value_replayed_under_another_tenants_key_is_rejected_and_deleted(daemon_factory, cluster):
