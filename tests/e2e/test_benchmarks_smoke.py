@@ -150,15 +150,18 @@ def test_bench_disk_stores_refuses_what_cannot_run(args):
 
 def test_bench_disk_writes_times_every_step_of_every_writer_path(tmp_path):
     report = tmp_path / "writes.json"
-    script("bench_disk_writes.py", "--blocks", "8", "--rounds", "1", "--dir", str(tmp_path), "--json", str(report))
+    script("bench_disk_writes.py", "--blocks", "8", "--rounds", "1", "--block-bytes", "8KiB", "--dir", str(tmp_path),
+           "--json", str(report))
     rows = json.loads(report.read_text())["rows"]
-    assert len(rows) in (2, 4) and all(r["cpu"] > 0 and r["wall"] > 0 for r in rows.values())  # 2: no O_DIRECT
+    assert len(rows) in (2, 4) and all(r["cpu"] > 0 and r["wall"] > 0 and r["read_cpu"] > 0
+                                       for r in rows.values())  # 2 rows: this filesystem refuses O_DIRECT
     tier = rows["file per block, buffered"]
     assert tier["rename"] > 0 and tier["open"] > 0  # the per-file steps the one-file rows do not take
     assert os.listdir(tmp_path) == ["writes.json"]  # every variant's files removed
 
 
-@pytest.mark.parametrize("args", [["--blocks", "0"], ["--rounds", "0"], ["--dir", "/nonexistent"]])
+@pytest.mark.parametrize("args", [["--blocks", "0"], ["--rounds", "0"], ["--dir", "/nonexistent"],
+                                  ["--block-bytes", "1000"], ["--block-bytes", "lots"]])
 def test_bench_disk_writes_refuses_what_cannot_run(args):
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_disk_writes.py"), *args],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
