@@ -62,6 +62,14 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5, help="--backlog: reps per multiple and tree")
     bl.add_json_flag(p)
     args = p.parse_args(argv)
+    # python -m puts the working directory first on the daemons' path: run from inside a tree,
+    # every node would run that tree's code whatever PYTHONPATH says.
+    if args.baseline_tree and not os.path.isdir(os.path.join(args.baseline_tree, "kvtier")):
+        p.error(f"--baseline-tree {args.baseline_tree} has no kvtier/")
+    if args.baseline_tree and os.path.isdir(os.path.join(os.getcwd(), "kvtier")):
+        p.error("with --baseline-tree, run from a directory without kvtier/ (e.g. cd /tmp)")
+    if args.reps < 1:
+        p.error("--reps must be at least 1")
     if args.quick:
         args.block_sizes, args.batch_bytes = bl.size_list("64KiB"), bl.parse_size("1MiB")
         args.min_time, args.min_reps, args.max_reps, args.lookups = 0.0, 2, 2, 20
@@ -299,10 +307,6 @@ def backlog_main(args, cluster, env: dict) -> dict:
     trees = {"this": {}}
     if args.baseline_tree:
         trees["baseline"] = {"PYTHONPATH": os.path.abspath(args.baseline_tree)}
-    # python -m puts the working directory first on the daemons' path: run from inside a tree,
-    # both nodes would run that tree's code whatever PYTHONPATH says.
-    if args.baseline_tree and os.path.isdir(os.path.join(os.getcwd(), "kvtier")):
-        raise RuntimeError("with --baseline-tree, run from a directory without kvtier/ (e.g. cd /tmp)")
     nodes = {}
     try:
         for tree, extra in trees.items():

@@ -121,6 +121,32 @@ def test_bench_remote_reports_load_lookup_and_store_against_baselines():
     assert store["write_behind_gbps"] > 0 and store["no_remote_gbps"] > 0 and store["visible_on_b_ms"] > 0
 
 
+def test_bench_remote_backlog_measures_both_trees_and_every_store_arrives(tmp_path):
+    from tests.remote.cluster import why_missing
+    if why_missing():
+        pytest.fail(f"bench_remote needs a Redis Cluster: {why_missing()}", pytrace=False)
+    # From a directory without kvtier/, as its docstring says; this tree as its own baseline.
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_remote.py"), "--backlog", "--reps", "1",
+                           "--queue", "1MiB", "--baseline-tree", REPO, "--json"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {(r["multiple"], r["tree"]) for r in out["rows"]} == {(m, t) for m in (1, 2, 4, 8)
+                                                                for t in ("this", "baseline")}
+    assert all(r["share_min"] == 1 for r in out["rows"])  # every block of every store reached the cluster
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--backlog", "--baseline-tree", REPO], "without kvtier/"),  # run from REPO: every node would run it
+    (["--backlog", "--reps", "0"], "--reps"),
+    (["--backlog", "--baseline-tree", "/nonexistent"], "has no kvtier/")])
+def test_bench_remote_refuses_what_would_measure_the_wrong_code(args, why):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_remote.py"), *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
+    assert why in proc.stderr, proc.stderr
+
+
 def test_bench_disk_reports_loads_against_dd_the_io_methods_and_lookups():
     out = json.loads(script("bench_disk.py", "--bytes", "16MiB", "--reps", "1", "--threads", "2",
                             "--lookups", "20", "--cache", "fadvise", "--json"))
