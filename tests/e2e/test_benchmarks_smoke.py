@@ -158,6 +158,22 @@ def test_bench_disk_reports_loads_against_dd_the_io_methods_and_lookups():
     assert len(out["lookups"]["in_process_ns"]) == 4 and len(out["loadavg"]) == 2
 
 
+def test_bench_disk_small_loads_loads_every_chain_from_disk_then_from_ram(tmp_path):
+    out = json.loads(script("bench_disk_small_loads.py", "--lengths", "1,8", "--chains", "2", "--dir", str(tmp_path),
+                            "--json"))
+    assert [r["blocks"] for r in out["rows"]] == [1, 8]
+    assert all(min(r["disk_p50_ms"], r["ram_p50_ms"]) > 0 for r in out["rows"])
+    assert out["read_counters"]["read"] == 2 * (1 + 8)  # every block of every chain came from disk, once
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args", [["--lengths", "0"], ["--lengths", "300"], ["--lengths", "a"], ["--chains", "0"]])
+def test_bench_disk_small_loads_refuses_what_cannot_run(args):
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_disk_small_loads.py"), *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_bench_disk_stores_times_every_daemon_and_says_what_each_wrote():
     out = json.loads(script("bench_disk_stores.py", "--stores", "3", "--reps", "1", "--baseline", REPO, "--json"))
     assert set(out["stores"]) == {"baseline, disk on", "this, disk on", "this, disk off"}
