@@ -79,7 +79,9 @@ def main() -> int:
         ap.error(f"--dir {args.dir} is not a directory")
     import torch
     root = tempfile.mkdtemp(prefix="kvtier-bench-small-", dir=args.dir)
-    sock, disk = os.path.join(root, "kvtier.sock"), os.path.join(root, "disk")
+    # The socket in a short directory of its own: a Unix socket's path is at most 107 bytes.
+    sockdir = tempfile.mkdtemp(prefix="kvt-")
+    sock, disk = os.path.join(sockdir, "kvtier.sock"), os.path.join(root, "disk")
     kv = ShmKVCache([SHAPE], torch.float16)
     load0 = os.getloadavg()[0]
     lengths = sorted(set(lengths))  # a chain's keys: its length, its number and each block's place
@@ -103,6 +105,7 @@ def main() -> int:
             bd.stop_daemon(proc)
         kv.close()
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(sockdir, ignore_errors=True)
     report = {"machine": machine_notes(), "threads": args.threads, "chains": args.chains,
               "loadavg": [load0, os.getloadavg()[0]], "rows": rows, "read_counters": counters}
     tab = table(["blocks per load", "from disk p50 ms", "min", "max", "from RAM p50 ms", "disk / RAM",
