@@ -19,15 +19,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_disk as bd  # noqa: E402
-from benchlib import add_json_flag, emit, machine_notes, table  # noqa: E402
+import bench_disk as bd  # scripts/ is first on the path of a script run by its file name
+from benchlib import add_json_flag, emit, machine_notes, table
 
-from kvtier.client import Client, Namespace, ShmKVCache  # noqa: E402
+from kvtier.client import Client, Namespace, ShmKVCache
 
 NS = Namespace("bench-small-loads", "float16", "flashinfer", 16)
 SHAPE = (256, 2, 16, 1, 64)  # 256 engine blocks of 2 x 16 x 64 float16: 4 KiB each, one layer

@@ -42,7 +42,6 @@ import time
 from kvtier.disk.files import direct_io_works
 from kvtier.pool.sizes import format_size, parse_size
 
-BLOCK = 256 * 1024  # --block-bytes
 HEADER = 4096
 STEPS = ("open", "write", "close", "rename", "unlink")
 READ_STEPS = ("open", "read", "close")
@@ -56,11 +55,11 @@ def per_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     header = memoryview(mmap.mmap(-1, HEADER))
     cpu = dict.fromkeys(STEPS, 0.0)
-    slots = len(buf) // BLOCK
+    block = len(buf) // KEEP  # the buffer holds KEEP blocks
     names = []
     w0 = time.perf_counter()
     for i in range(blocks):
-        payload = memoryview(buf)[(i % slots) * BLOCK:(i % slots + 1) * BLOCK]
+        payload = memoryview(buf)[(i % KEEP) * block:(i % KEEP + 1) * block]
         t = os.path.join(tmp, f"{i:x}.tmp")
         f = os.path.join(final, f"{i:032x}.kvb")
         c0 = time.thread_time()
@@ -86,10 +85,11 @@ def per_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
 
 def reads(names: list[str], buf: mmap.mmap, blocks: int, direct: bool) -> dict:
     """The tier's read of a block file into a pool slot, ``blocks`` times over ``names``."""
+    block = len(buf) // KEEP
     header = memoryview(mmap.mmap(-1, HEADER))
     cpu = {f"read {s}": 0.0 for s in READ_STEPS}
     for i in range(blocks):
-        payload = memoryview(buf)[:BLOCK]
+        payload = memoryview(buf)[:block]
         c0 = time.thread_time()
         fd = os.open(names[i % len(names)], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         os.fstat(fd)
@@ -111,24 +111,24 @@ def one_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
     header = memoryview(mmap.mmap(-1, HEADER))
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     cpu = dict.fromkeys(STEPS, 0.0)
-    slots = len(buf) // BLOCK
+    block = len(buf) // KEEP  # the buffer holds KEEP blocks
     w0 = time.perf_counter()
     c0 = time.thread_time()
     fd = os.open(os.path.join(root, "log"), flags, 0o600)
     cpu["open"] += time.thread_time() - c0
     try:
         for i in range(blocks):
-            payload = memoryview(buf)[(i % slots) * BLOCK:(i % slots + 1) * BLOCK]
+            payload = memoryview(buf)[(i % KEEP) * block:(i % KEEP + 1) * block]
             c1 = time.thread_time()
-            os.pwritev(fd, [header, payload], (i % (KEEP + 1)) * (HEADER + BLOCK))
+            os.pwritev(fd, [header, payload], (i % (KEEP + 1)) * (HEADER + block))
             cpu["write"] += time.thread_time() - c1
             payload.release()
         cpu["wall"] = time.perf_counter() - w0
         cpu.update({f"read {s}": 0.0 for s in READ_STEPS})
         for i in range(blocks):
-            payload = memoryview(buf)[:BLOCK]
+            payload = memoryview(buf)[:block]
             c1 = time.thread_time()
-            os.preadv(fd, [header, payload], (i % KEEP) * (HEADER + BLOCK))
+            os.preadv(fd, [header, payload], (i % KEEP) * (HEADER + block))
             cpu["read read"] += time.thread_time() - c1
             payload.release()
     finally:
@@ -147,7 +147,6 @@ VARIANTS = {
 
 
 def main() -> None:
-    global BLOCK
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3)
@@ -160,12 +159,12 @@ def main() -> None:
     if not os.path.isdir(args.dir):
         ap.error(f"--dir {args.dir} is not a directory")
     try:
-        BLOCK = parse_size(args.block_bytes)
+        block = parse_size(args.block_bytes)
     except ValueError as exc:
         ap.error(f"--block-bytes: {exc}")
-    if BLOCK < HEADER or BLOCK % HEADER:
+    if block < HEADER or block % HEADER:
         ap.error("--block-bytes must be a multiple of 4 KiB")
-    buf = mmap.mmap(-1, KEEP * BLOCK)
+    buf = mmap.mmap(-1, KEEP * block)  # the pool's stand-in: the functions take the block size from it
     buf.write(os.urandom(len(buf)))
     load0 = os.getloadavg()
     direct_ok = direct_io_works(args.dir)  # tmpfs before Linux 6.6 refuses O_DIRECT: those rows left out
@@ -182,7 +181,7 @@ def main() -> None:
     load1 = os.getloadavg()
     rsteps = tuple(f"read {s}" for s in READ_STEPS)
     print(f"Load average at start {load0[0]:.2f}, at end {load1[0]:.2f}; {os.cpu_count()} CPUs; dir {args.dir}; "
-          f"{args.blocks} blocks of {format_size(BLOCK)} (+4 KiB header) x {args.rounds} rounds, variants in turn"
+          f"{args.blocks} blocks of {format_size(block)} (+4 KiB header) x {args.rounds} rounds, variants in turn"
           + ("" if direct_ok else "; O_DIRECT refused here, its rows left out") + "\n")
     print("| path | " + " | ".join(f"{c} us" for c in STEPS) + " | write CPU us per block | write wall us | "
           + " | ".join(f"{c} us" for c in rsteps) + " | read CPU us per block |")
@@ -199,7 +198,7 @@ def main() -> None:
               + " | ".join(f"{med[c]:.1f}" for c in rsteps) + f" | {rtotal:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"loadavg": [load0[0], load1[0]], "block_bytes": BLOCK, "rows": table}, f, indent=1)
+            json.dump({"loadavg": [load0[0], load1[0]], "block_bytes": block, "rows": table}, f, indent=1)
 
 
 if __name__ == "__main__":

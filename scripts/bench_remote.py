@@ -279,7 +279,7 @@ def backlog_rows(args, cluster, nodes: dict, block: int) -> list[dict]:
                 ns = codec.namespace(ns_key(TEAM, e.ns.fingerprint()))
                 rkeys = [codec.key(ns, k) for k in keys]
                 # A baseline tree may write an earlier value version: the same key under its prefix.
-                rkeys += [b"kvt2:" + k[len(v.KEY_PREFIX):] for k in rkeys if v.KEY_PREFIX != b"kvt2:"]
+                rkeys += [b"kvt2:" + k[len(v.KEY_PREFIX):] for k in rkeys]
                 p = r.pipeline(transaction=False)
                 for k in rkeys:
                     p.exists(k)

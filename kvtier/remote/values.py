@@ -28,8 +28,8 @@ the daemon's ``checksums`` table. HMAC-SHA256 runs at ~1.5 GB/s per core
 here (OpenSSL, SHA extensions), about twice keyed BLAKE2b in CPython.
 
 The checksum is a CRC-32C (``pool/checksum.py``), as in the disk tier's files
-and the journal: a writer frames a 256 KiB value at 1.5-1.6 GB/s where zlib's
-CRC-32 left 1.2 (BENCHMARKS.md 7.2), and the crc it hands the ``checksums``
+and the journal: a writer frames a 256 KiB value at 1.45-1.55 GB/s where zlib's
+CRC-32 left 0.99-1.17 (BENCHMARKS.md 7.2), and the crc it hands the ``checksums``
 table is the kind the daemon verifies fastest.
 
 Earlier versions are never read: their keys are not looked up, and they expire

@@ -153,21 +153,21 @@ def test_a_daemon_without_the_crc_instruction_says_so_and_reads_what_a_hardware_
     assert sw.stats()["pool"]["checksum"] == "crc32c-software"
     assert "blocks' checksums run in software" in sw.read_log()
     with sw.client(name="engine") as c:
-        c.register_kv_cache(kv, [0] * 4, NS)
-        for t in kv.tensors:
-            t.zero_()
-        r = c.load(chain(35, 4), list(range(4))).wait()
-        assert r.ok and r.done == 4, r
-        assert all(torch.equal(a, b) for a, b in zip(blocks(kv, range(4)), want))
+        loads_byte_exact(c, kv, chain(35, 4), want)
         assert c.store(chain(36, 4), list(range(4))).wait().ok
         assert written(sw, 4)
     sw.stop()
     again = restarted(daemon_factory, tmp_path, env, process=True)
     with again.client(name="engine") as c:
-        c.register_kv_cache(kv, [0] * 4, NS)
-        for t in kv.tensors:
-            t.zero_()
-        r = c.load(chain(36, 4), list(range(4))).wait()
-        assert r.ok and r.done == 4, r
-        assert all(torch.equal(a, b) for a, b in zip(blocks(kv, range(4)), want))
+        loads_byte_exact(c, kv, chain(36, 4), want)
     assert again.stats()["disk"]["rejected"] == 0
+
+
+def loads_byte_exact(c, kv, hs, want) -> None:
+    """``c`` registers ``kv``, zeroes it and loads ``hs`` into its first blocks: every one, as ``want``."""
+    c.register_kv_cache(kv, [0] * 4, NS)
+    for t in kv.tensors:
+        t.zero_()
+    r = c.load(hs, list(range(len(hs)))).wait()
+    assert r.ok and r.done == len(hs), r
+    assert all(torch.equal(a, b) for a, b in zip(blocks(kv, range(len(hs))), want))
