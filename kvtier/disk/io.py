@@ -84,6 +84,8 @@ class DiskIO:
         self._seq = itertools.count(time.time_ns())
         self._tmp_prefix = f"{os.getpid()}-{time.time_ns():x}-"
         self._dirs: set[str] = set()
+        self._unlinking: Counter = Counter()  # directory -> its files queued to be unlinked (the lock's)
+        self._rmdir_wanted: set[str] = set()  # directories to remove when their count reaches 0 (the lock's)
         self._heap: list = []                # (deadline, n, job): the clock's
         self._threads = [threading.Thread(target=self._serve, args=(lane,), name=f"kvtier-disk-{lane}-{i}",
                                           daemon=True)
@@ -115,9 +117,17 @@ class DiskIO:
         return job
 
     def unlink(self, paths: list[str], ns_keys: list[str] = ()) -> None:
-        """Delete ``paths``; then, when all are gone, the directories of ``ns_keys`` if empty."""
-        if paths:
-            self._queue(DiskJob("unlink", [os.path.join(self.root, ns_dir(k)) for k in ns_keys], list(paths)))
+        """Delete ``paths``; then the directories of ``ns_keys``, once no file queued to be
+        unlinked in them is left, from this job or an earlier one (a flush's slices are jobs
+        of their own, and the writers finish them in any order)."""
+        if not paths:
+            return
+        with self.lock:
+            for p in paths:
+                self._unlinking[os.path.dirname(p)] += 1
+            self._rmdir_wanted.update(d for d in (os.path.join(self.root, ns_dir(k)) for k in ns_keys)
+                                      if self._unlinking[d])
+        self._queue(DiskJob("unlink", None, list(paths)))
 
     @property
     def urgent(self) -> bool:
@@ -214,16 +224,19 @@ class DiskIO:
                 if job.kind != "unlink":
                     job.failed.append(i)
                 self._note("errors", f"{type(exc).__name__}: {exc}")
+            emptied = None
             with self.lock:
                 self.counters.update(tally)
                 job.finished += 1
                 last = job.finished == len(job.items)
                 if last:
                     self._running.discard(job)
+                if job.kind == "unlink":
+                    emptied = self._unlinked_in(os.path.dirname(job.items[i]))
             if last and job.kind != "unlink":
                 self._done.put(("done", job))
-            elif last and job.token:
-                self._remove_dirs(job.token)
+            elif emptied:
+                self._remove_dir(emptied)
 
     def _note(self, counter: str, message: str, ns_key: str = "") -> None:
         with self.lock:
@@ -354,14 +367,26 @@ class DiskIO:
         finally:
             dest.release()
 
-    def _remove_dirs(self, dirs: list[str]) -> None:
-        """Namespace directories emptied (ENOTEMPTY: a file came back meanwhile; keep it)."""
-        for d in dirs:
-            self._dirs.discard(d)  # a later write of this namespace makes it again
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+    def _unlinked_in(self, d: str) -> str | None:
+        """One file queued in ``d`` is gone (under the lock): ``d`` when it was the last one
+        there and ``d`` is wanted gone."""
+        left = self._unlinking[d] - 1
+        if left:
+            self._unlinking[d] = left
+            return None
+        del self._unlinking[d]
+        if d in self._rmdir_wanted:
+            self._rmdir_wanted.discard(d)
+            return d
+        return None
+
+    def _remove_dir(self, d: str) -> None:
+        """A namespace directory emptied (ENOTEMPTY: a write landed meanwhile; keep it)."""
+        self._dirs.discard(d)  # a later write of this namespace makes it again
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
     def _unlink_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         if quiet_unlink(job.items[i]):
