@@ -224,14 +224,18 @@ class DiskBridge:
                 self.counters["write_skipped"] += n
                 self.backlog.lost(tenant, "over_share", n)
                 continue
-            self._unlink(victims)
+            self.removed(victims)
+            dirs = self.emptied({v.ns_key for v in victims})
+            self.io.unlink([v.path for v in victims if v.size != size], dirs)
             self._fit_later()
             self.index.pin(entries)
             self.queued += n * size
             self.writing.setdefault(key, set()).update(e.key for e in entries)
             items = [(key, e.key, seq, e.offset) for e, seq in zip(entries, self.io.next_seqs(n))]
             self.in_flight[key] += n
-            self.io.write(items, size, ("write", entries, self.generation[key]))
+            # the files of this size evicted for it are overwritten by it (DiskIO.write)
+            self.io.write(items, size, ("write", entries, self.generation[key]),
+                          [v.path for v in victims if v.size == size], dirs)
 
     def _written(self, job) -> None:
         entries, gen = job.token[1], job.token[2]
@@ -376,7 +380,8 @@ class DiskBridge:
                 rows.append({"fingerprint": fingerprint, "blocks": blocks, "bytes": nbytes,
                              **({"tenant": owner} if tenant is None else {})})
         keys = ("written", "written_bytes", "written_direct", "read", "read_bytes", "read_direct", "rejected", "missing", "enospc", "eio",
-                "read_errors", "errors", "read_expired", "read_late", "unlinked", "scanned", "scan_rejected")
+                "read_errors", "errors", "read_expired", "read_late", "unlinked", "recycled", "scanned",
+                "scan_rejected")
         out = {"enabled": True, "path": self.io.root, "o_direct": self.io.direct,
                "capacity_bytes": self.dindex.capacity,
                "used_bytes": self.dindex.used, "reserved_bytes": self.dindex.reserved,

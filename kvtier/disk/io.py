@@ -17,12 +17,14 @@ Files are read with ``os.preadv`` straight into the pool (``O_DIRECT`` where
 the filesystem takes it, else buffered and then dropped from the page
 cache), checked against the header the index expects and the payload's checksum
 (``pool/checksum.py``).
-Writes go to ``tmp/`` and are renamed into place, with ``O_DIRECT`` from the
+Writes go to ``tmp/`` and are renamed into place (a file evicted to make room
+for a write is moved to ``tmp/`` by that write and overwritten, not unlinked
+and created anew), with ``O_DIRECT`` from the
 pool slot where reads use it (no page-cache copy, no writeback work for the
 kernel's flusher threads on the cores the stores need); see BENCHMARKS.md
 for why no fsync.
 
-Primitives: ``DiskIO(root, pool, threads, writers=WRITERS)``, ``.write(items, size, token)``,
+Primitives: ``DiskIO(root, pool, threads, writers=WRITERS)``, ``.write(items, size, token, evicted)``,
 ``.read(items, size, token, deadline)``, ``.unlink(paths)``, ``.scan()``,
 ``.remind(what)``, ``.completed() -> [(what, job)]``, ``.stalled(timeout)``, ``.wakeup_fd``,
 ``.counters``, ``.close()``.
@@ -51,6 +53,7 @@ from .schedule import DiskJob, IOQueues
 
 log = logging.getLogger("kvtier.disk")
 OPEN_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_REWRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC  # an evicted file of ours, just moved to tmp/
 ERRNO_COUNTER = {errno.ENOSPC: "enospc", errno.EDQUOT: "enospc", errno.EIO: "eio", errno.EROFS: "eio"}
 WRITERS = 2       # write threads: niced, they take the cores the foreground leaves (docs/DISK_TIER.md)
 WRITE_NICE = 10   # their nice above the daemon's: CFS weight 110 vs 1024, about a tenth of a busy core each
@@ -106,8 +109,16 @@ class DiskIO:
     def path_of(self, ns_key: str, key: bytes, seq: int) -> str:
         return os.path.join(self.root, ns_dir(ns_key), block_name(key, seq))
 
-    def write(self, items: list, size: int, token) -> DiskJob:
-        return self._queue(DiskJob("write", token, items, size))
+    def write(self, items: list, size: int, token, evicted: list[str] = (), ns_keys: list[str] = ()) -> DiskJob:
+        """Write ``items``. ``evicted``: files of ``size``-byte blocks evicted to make room for
+        them: the write of item ``i`` moves ``evicted[i]`` out of its namespace's directory into
+        ``tmp/`` and overwrites it, which saves the write a create and the eviction an unlink
+        (BENCHMARKS.md 13.10); those beyond the items are unlinked. ``ns_keys``: directories to
+        remove once emptied, as for ``unlink``."""
+        reused, extra = list(evicted[:len(items)]), list(evicted[len(items):])
+        self.unlink(extra, ns_keys)
+        self._leaving(reused, ns_keys)
+        return self._queue(DiskJob("write", token, items, size, evicted=reused))
 
     def read(self, items: list, size: int, token, deadline: float) -> DiskJob:
         job = self._queue(DiskJob("read", token, items, size, deadline))
@@ -120,14 +131,17 @@ class DiskIO:
         """Delete ``paths``; then the directories of ``ns_keys``, once no file queued to be
         unlinked in them is left, from this job or an earlier one (a flush's slices are jobs
         of their own, and the writers finish them in any order)."""
-        if not paths:
-            return
+        if paths:
+            self._leaving(paths, ns_keys)
+            self._queue(DiskJob("unlink", None, list(paths)))
+
+    def _leaving(self, paths: list[str], ns_keys) -> None:
+        """``paths`` will leave their directories: those of ``ns_keys`` go when the last has."""
         with self.lock:
             for p in paths:
                 self._unlinking[os.path.dirname(p)] += 1
             self._rmdir_wanted.update(d for d in (os.path.join(self.root, ns_dir(k)) for k in ns_keys)
                                       if self._unlinking[d])
-        self._queue(DiskJob("unlink", None, list(paths)))
 
     @property
     def urgent(self) -> bool:
@@ -258,10 +272,11 @@ class DiskIO:
 
     def _write_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         ns_key, key, seq, off = job.items[i]
+        tmp = os.path.join(self.root, TMP_DIR, f"{self._tmp_prefix}{seq:x}.tmp")
+        recycled = i < len(job.evicted) and self._take_evicted(job.evicted[i], tmp)
         payload = self.pool[off:off + job.size]
         crc = checksum.of(payload)
         final = self.path_of(ns_key, key, seq)
-        tmp = os.path.join(self.root, TMP_DIR, f"{self._tmp_prefix}{seq:x}.tmp")
         # O_DIRECT: the device reads the slot itself (pinned until this returns), the header from
         # an aligned page; no page-cache copy and no writeback for the kernel to do afterwards.
         direct = self.direct and (self.base + off) % ALIGN == 0 and job.size % ALIGN == 0
@@ -271,9 +286,11 @@ class DiskIO:
             page[:] = header
             header = memoryview(page)
         try:
-            fd = os.open(tmp, OPEN_WRITE | (os.O_DIRECT if direct else 0), 0o600)
+            fd = os.open(tmp, (OPEN_REWRITE if recycled else OPEN_WRITE) | (os.O_DIRECT if direct else 0), 0o600)
             try:
                 write_all(fd, [header, payload])
+                if recycled and os.fstat(fd).st_size != HEADER_BYTES + job.size:  # a file of another size
+                    os.ftruncate(fd, HEADER_BYTES + job.size)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -298,7 +315,22 @@ class DiskIO:
         finally:
             payload.release()
         job.ok.append((i, crc, final))
-        tally.update(written=1, written_bytes=job.size, written_direct=direct)
+        tally.update(written=1, written_bytes=job.size, written_direct=direct, recycled=recycled)
+
+    def _take_evicted(self, path: str, tmp: str) -> bool:
+        """Move an evicted file to ``tmp`` for a write to overwrite (no reader finds it by name
+        from here on; a crash leaves it in tmp/, which the next start empties). False when it
+        is gone (a load found it corrupt and deleted it): the write creates its file."""
+        try:
+            os.rename(path, tmp)
+            moved = True
+        except OSError:
+            moved = False
+        with self.lock:
+            emptied = self._unlinked_in(os.path.dirname(path))
+        if emptied:
+            self._remove_dir(emptied)
+        return moved
 
     def _page(self) -> mmap.mmap:
         """This thread's page-aligned header buffer (O_DIRECT needs aligned memory)."""

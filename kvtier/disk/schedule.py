@@ -254,6 +254,7 @@ class DiskJob:
     items: list                  # write: (ns_key, key, seq, offset); read: (entry, offset); unlink: path
     size: int = 0
     deadline: float = 0.0        # read: reported "expired" by then if not done
+    evicted: list = field(default_factory=list)  # write: item i overwrites file evicted[i] (DiskIO.write)
     next: int = 0                # guarded by the lock: the next item a worker takes
     finished: int = 0            # guarded by the lock: items done
     expired: bool = False        # guarded by the lock

@@ -1,0 +1,116 @@
+"""A file evicted to make room for a write is not unlinked: the write moves it out of its
+namespace's directory into ``tmp/`` and overwrites it, which saves the write a create and
+the eviction an unlink (BENCHMARKS.md 13.10). In process, a real directory and the real
+I/O threads: the new block is the old inode with the new bytes under the new name, the
+old name is gone, files evicted beyond the writes are unlinked, writes beyond the files
+evicted create their own, and a file of another size is cut to the new block's."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+from kvtier.disk.format import HEADER_BYTES, TMP_DIR, decode_header, ns_dir
+from kvtier.disk.io import DiskIO
+from kvtier.pool import checksum
+
+NS = "team\x00model|float16"
+SIZE = 16 * 1024
+
+
+def until(cond, timeout=20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.002)
+    return cond()
+
+
+def write(io, keys: list[bytes], size=SIZE, evicted=()) -> list[str]:
+    """Blocks ``keys`` written from the pool's start, one slot each; their files."""
+    items = [(NS, k, seq, j * size) for j, (k, seq) in enumerate(zip(keys, io.next_seqs(len(keys))))]
+    job = io.write(items, size, "t", list(evicted), [NS])
+    assert until(lambda: job.finished == len(items)), io.errors
+    assert not job.failed, io.errors
+    return [p for _, _, p in sorted(job.ok)]
+
+
+def make(tmp_path):
+    root = tmp_path / "disk"
+    (root / TMP_DIR).mkdir(parents=True)
+    pool = mmap.mmap(-1, 2**20)
+    pool[:] = os.urandom(len(pool))
+    return root, pool, DiskIO(str(root), pool, threads=1, direct=False)
+
+
+def read(path) -> tuple:
+    with open(path, "rb") as f:
+        data = f.read()
+    return decode_header(data[:HEADER_BYTES]), data[HEADER_BYTES:]
+
+
+def test_a_write_overwrites_the_file_evicted_for_it_under_its_own_name(tmp_path):
+    root, pool, io = make(tmp_path)
+    try:
+        old = write(io, [b"\x01" * 16, b"\x02" * 16])
+        inodes = {os.stat(p).st_ino for p in old}
+        new = write(io, [b"\x03" * 16, b"\x04" * 16], evicted=old)
+        assert not any(map(os.path.exists, old))
+        assert {os.stat(p).st_ino for p in new} == inodes  # the same two files, rewritten
+        for j, (p, k) in enumerate(zip(new, (b"\x03" * 16, b"\x04" * 16))):
+            h, payload = read(p)
+            assert (h.ns_key, h.key, h.size) == (NS, k, SIZE) and os.stat(p).st_size == HEADER_BYTES + SIZE
+            assert payload == pool[j * SIZE:(j + 1) * SIZE] and checksum.matches(payload, h.crc)
+        assert io.counters["recycled"] == 2 and io.counters["unlinked"] == 0
+        assert os.listdir(root / TMP_DIR) == []
+        assert sorted(os.listdir(root / ns_dir(NS))) == sorted(map(os.path.basename, new))
+    finally:
+        io.close()
+
+
+def test_files_evicted_beyond_the_writes_are_unlinked_and_writes_beyond_them_create_files(tmp_path):
+    root, pool, io = make(tmp_path)
+    try:
+        old = write(io, [bytes([k]) * 16 for k in range(5)])
+        one = write(io, [b"\xaa" * 16], evicted=old)  # five evicted for one write
+        assert until(lambda: io.counters["unlinked"] == 4)
+        assert io.counters["recycled"] == 1
+        assert sorted(os.listdir(root / ns_dir(NS))) == [os.path.basename(one[0])]
+        three = write(io, [b"\xb1" * 16, b"\xb2" * 16, b"\xb3" * 16], evicted=one)  # one for three
+        assert io.counters["recycled"] == 2 and len({os.stat(p).st_ino for p in three}) == 3
+        assert [read(p)[1] for p in three] == [pool[j * SIZE:(j + 1) * SIZE] for j in range(3)]
+        assert os.listdir(root / TMP_DIR) == []
+    finally:
+        io.close()
+
+
+def test_an_evicted_file_of_another_size_is_cut_to_the_new_blocks_and_a_gone_one_is_no_loss(tmp_path):
+    root, pool, io = make(tmp_path)
+    try:
+        big = write(io, [b"\x01" * 16])
+        small = write(io, [b"\x02" * 16], size=SIZE // 2, evicted=big)
+        assert io.counters["recycled"] == 1
+        h, payload = read(small[0])
+        assert h.size == SIZE // 2 and payload == pool[:SIZE // 2]  # not a byte of the old file left
+        os.unlink(small[0])  # gone before the write that would overwrite it (a load deleted it)
+        again = write(io, [b"\x03" * 16], evicted=small)
+        assert io.counters["recycled"] == 1 and read(again[0])[1] == pool[:SIZE]
+        assert until(lambda: sorted(os.listdir(root / ns_dir(NS))) == [os.path.basename(again[0])])
+    finally:
+        io.close()
+
+
+def test_the_last_write_that_empties_a_namespace_directory_removes_it(tmp_path):
+    root, pool, io = make(tmp_path)
+    other = "team\x00other|float16"
+    try:
+        old = write(io, [b"\x01" * 16])
+        items = [(other, b"\x02" * 16, io.next_seqs(1)[0], 0)]
+        job = io.write(items, SIZE, "t", old, [NS])  # NS's last file, overwritten by another namespace
+        assert until(lambda: job.ok)
+        assert until(lambda: not (root / ns_dir(NS)).exists())
+        assert os.listdir(root / ns_dir(other)) == [os.path.basename(job.ok[0][2])]
+    finally:
+        io.close()
