@@ -3,6 +3,7 @@
 """What the disk tier costs a store, against the tier off and another checkout.
 
     python scripts/bench_disk_stores.py --stores 200 --baseline /path/to/other/checkout [--reps 3] [--dir /var/tmp]
+                                        [--disk-size 4GiB]
 
 One engine stores N new chains of 16 blocks (4 MiB) back to back, waiting for
 each reply, into a 64 MiB pool (write-behind queue 16 MiB, so the disk falls
@@ -10,7 +11,9 @@ behind and the pool evicts), per store p50/p99 in ms and the daemon's CPU
 per store (its loop thread; its other threads: copies, disk I/O); daemons of this
 checkout with the disk tier on and off, and of ``--baseline DIR`` (another
 checkout) with it on, alternating per rep. Also what each run wrote and did
-not write. (Loads, the I/O method and lookups: ``bench_disk.py``.)
+not write. ``--disk-size`` below what a run writes (e.g. 128MiB: ~490 files)
+measures a full disk, where every write makes room by evicting a file (the
+steady state of a node's disk). (Loads, the I/O method and lookups: ``bench_disk.py``.)
 
 Output: a markdown table to paste into BENCHMARKS.md, with the load average.
 """
@@ -29,7 +32,7 @@ from bench_disk import BLOCK, LAYERS, NS, SHAPE, daemon, disk_stats, key
 from benchlib import add_json_flag, emit, machine_notes, stop_daemon, table
 
 from kvtier.client import Client, ShmKVCache
-from kvtier.pool.sizes import format_size
+from kvtier.pool.sizes import format_size, parse_size
 
 STORE_CHAIN = 16
 
@@ -56,7 +59,7 @@ def bench_stores(a, work: str, kv) -> dict:
         for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
             repo, on = sides[name]
             root = os.path.join(work, f"disk-{rep}-{len(got[name])}-{int(on)}")
-            d = daemon(sock, root if on else "", 4 << 30, 64 << 20, 4, repo)
+            d = daemon(sock, root if on else "", a.disk_size, 64 << 20, 4, repo)
             before = thread_cpu(d.pid)
             lat = store_latencies(sock, kv, a.stores, rep + 1)
             after = thread_cpu(d.pid)
@@ -69,7 +72,8 @@ def bench_stores(a, work: str, kv) -> dict:
             stop_daemon(d)
             shutil.rmtree(root, ignore_errors=True)
             got[name].append((statistics.median(lat) * 1e3, sorted(lat)[int(len(lat) * 0.99) - 1] * 1e3))
-            written[name].append({k: s.get(k) for k in ("written", "queue_full", "not_written") if k in s})
+            written[name].append({k: s.get(k) for k in ("written", "recycled", "unlinked", "queue_full", "not_written")
+                                  if k in s})
     rows = [[name, round(statistics.median(x[0] for x in v), 2), round(statistics.median(x[1] for x in v), 2),
              "; ".join(f"{p50:.2f}/{p99:.2f}" for p50, p99 in v),
              "; ".join(f"{lp:.2f}/{other:.2f}" for lp, other in cpu[name]), written[name][-1]]
@@ -77,7 +81,7 @@ def bench_stores(a, work: str, kv) -> dict:
     return {"table": table(["daemon", "store p50 ms", "store p99 ms", "runs p50/p99",
                             "daemon CPU ms/store: loop/other threads", "last run: written, not"],
                            rows, f"{a.stores} stores of {STORE_CHAIN} x {format_size(BLOCK)} into a 64 MiB pool, "
-                           f"reps alternating, baseline {a.baseline}"),
+                           f"disk_size {format_size(a.disk_size)}, reps alternating, baseline {a.baseline}"),
             "runs": got, "written": written, "cpu_ms_per_store": cpu}
 
 
@@ -95,8 +99,13 @@ def main(argv=None) -> int:
     p.add_argument("--baseline", default="", help="another checkout's daemon to compare (default: this one)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default="/var/tmp", help="a directory on the disk to measure")
+    p.add_argument("--disk-size", default="4GiB", help="the tier's disk_size (small: a full disk)")
     add_json_flag(p)
     a = p.parse_args(argv)
+    try:
+        a.disk_size = parse_size(a.disk_size)
+    except ValueError as exc:
+        p.error(f"--disk-size: {exc}")
     if a.stores < 1 or a.reps < 1:
         p.error("--stores and --reps must be at least 1")
     if a.baseline and not os.path.isdir(os.path.join(a.baseline, "kvtier")):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-# Feeds BENCHMARKS.md section 13.8 (what a disk writer's and reader's CPU per block is made of).
+# Feeds BENCHMARKS.md sections 13.8 and 13.10 (what a disk writer's and reader's CPU per block is made of).
 """Where a disk writer's and reader's CPU goes, system call by system call, per block.
 
     python scripts/bench_disk_writes.py [--blocks 400] [--rounds 3] [--block-bytes 256KiB]
@@ -9,7 +9,9 @@ The disk tier writes each block as a file of its own (``kvtier/disk/io.py``):
 open a file under ``tmp/`` (``O_DIRECT`` where the filesystem takes it), one
 ``pwritev`` of the header page and the payload straight from the pool, close,
 rename into its namespace's directory; and, once the disk is full, each new
-file costs an old one's ``unlink``. Under a store flood the writers' CPU is
+file cost an old one's ``unlink`` (until 90f9186; since then the write moves the
+file evicted for it to ``tmp/`` and overwrites it: the second row, its "unlink"
+column that rename). Under a store flood the writers' CPU is
 what the stores compete with (BENCHMARKS.md 13.6). This times, on the calling
 thread (``time.thread_time``: the CPU the kernel charges the writer, system
 time included), each step of that path over ``--blocks`` blocks of a
@@ -83,6 +85,46 @@ def per_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
     return cpu
 
 
+def recycled(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
+    """The tier's path since 90f9186: once the disk is full, the file evicted for a block is
+    moved to tmp/ ("unlink" column: that rename), overwritten (no create) and renamed into place."""
+    tmp, final = os.path.join(root, "tmp"), os.path.join(root, "ns")
+    os.makedirs(tmp), os.makedirs(final)
+    direct_flag = os.O_DIRECT if direct else 0
+    create = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | direct_flag
+    rewrite = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | direct_flag
+    header = memoryview(mmap.mmap(-1, HEADER))
+    cpu = dict.fromkeys(STEPS, 0.0)
+    block = len(buf) // KEEP
+    names = []
+    w0 = time.perf_counter()
+    for i in range(blocks):
+        payload = memoryview(buf)[(i % KEEP) * block:(i % KEEP + 1) * block]
+        t = os.path.join(tmp, f"{i:x}.tmp")
+        f = os.path.join(final, f"{i:032x}.kvb")
+        c0 = time.thread_time()
+        full = len(names) >= KEEP
+        if full:
+            os.rename(names.pop(0), t)
+        c1 = time.thread_time()
+        fd = os.open(t, rewrite if full else create, 0o600)
+        c2 = time.thread_time()
+        os.pwritev(fd, [header, payload], 0)
+        c3 = time.thread_time()
+        os.close(fd)
+        c4 = time.thread_time()
+        os.rename(t, f)
+        c5 = time.thread_time()
+        names.append(f)
+        for step, a, b in zip(("unlink", "open", "write", "close", "rename"), (c0, c1, c2, c3, c4),
+                              (c1, c2, c3, c4, c5)):
+            cpu[step] += b - a
+        payload.release()
+    cpu["wall"] = time.perf_counter() - w0
+    cpu.update(reads(names, buf, blocks, direct))
+    return cpu
+
+
 def reads(names: list[str], buf: mmap.mmap, blocks: int, direct: bool) -> dict:
     """The tier's read of a block file into a pool slot, ``blocks`` times over ``names``."""
     block = len(buf) // KEEP
@@ -139,7 +181,8 @@ def one_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
 
 
 VARIANTS = {
-    "file per block, O_DIRECT (the tier)": (per_file, True),
+    "file per block, O_DIRECT, evicted file unlinked (the tier before 90f9186)": (per_file, True),
+    "file per block, O_DIRECT, evicted file overwritten (the tier)": (recycled, True),
     "file per block, buffered": (per_file, False),
     "one file, O_DIRECT at offsets": (one_file, True),
     "one file, buffered at offsets": (one_file, False),
