@@ -183,7 +183,15 @@ def test_bench_disk_stores_times_every_daemon_and_says_what_each_wrote():
     assert set(cpu) == set(out["stores"]) and all(len(r) == 1 and min(r[0]) >= 0 for r in cpu.values())
 
 
-@pytest.mark.parametrize("args", [["--stores", "0"], ["--reps", "0"], ["--baseline", "/nonexistent"]])
+def test_bench_disk_stores_on_a_full_disk_overwrites_evicted_files():
+    out = json.loads(script("bench_disk_stores.py", "--stores", "12", "--reps", "1", "--baseline", REPO,
+                            "--disk-size", "24MiB", "--json"))
+    w = out["written"]["this, disk on"][0]  # 192 blocks of 260 KiB files into 94 files' room
+    assert w["recycled"] >= w["written"] - 94 > 0 and w["unlinked"] == 0
+
+
+@pytest.mark.parametrize("args", [["--stores", "0"], ["--reps", "0"], ["--baseline", "/nonexistent"],
+                                  ["--disk-size", "lots"]])
 def test_bench_disk_stores_refuses_what_cannot_run(args):
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_disk_stores.py"), *args],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -192,13 +200,15 @@ def test_bench_disk_stores_refuses_what_cannot_run(args):
 
 def test_bench_disk_writes_times_every_step_of_every_writer_path(tmp_path):
     report = tmp_path / "writes.json"
-    script("bench_disk_writes.py", "--blocks", "8", "--rounds", "1", "--block-bytes", "8KiB", "--dir", str(tmp_path),
-           "--json", str(report))
+    script("bench_disk_writes.py", "--blocks", "70", "--rounds", "1", "--block-bytes", "4KiB", "--dir", str(tmp_path),
+           "--json", str(report))  # 70 blocks: past the 64 kept, so writes evict
     rows = json.loads(report.read_text())["rows"]
-    assert len(rows) in (2, 4) and all(r["cpu"] > 0 and r["wall"] > 0 and r["read_cpu"] > 0
+    assert len(rows) in (2, 5) and all(r["cpu"] > 0 and r["wall"] > 0 and r["read_cpu"] > 0
                                        for r in rows.values())  # 2 rows: this filesystem refuses O_DIRECT
     tier = rows["file per block, buffered"]
-    assert tier["rename"] > 0 and tier["open"] > 0  # the per-file steps the one-file rows do not take
+    assert tier["rename"] > 0 and tier["open"] > 0 and tier["unlink"] > 0  # steps the one-file rows do not take
+    if len(rows) == 5:
+        assert rows["file per block, O_DIRECT, evicted file overwritten (the tier)"]["unlink"] > 0  # its rename
     assert os.listdir(tmp_path) == ["writes.json"]  # every variant's files removed
 
 
