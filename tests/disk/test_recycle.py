@@ -114,3 +114,26 @@ def test_the_last_write_that_empties_a_namespace_directory_removes_it(tmp_path):
         assert os.listdir(root / ns_dir(other)) == [os.path.basename(job.ok[0][2])]
     finally:
         io.close()
+
+
+def test_a_reader_that_opened_the_file_before_a_write_took_it_over_gets_no_block(tmp_path):
+    # A load opens a file by its name, then reads it; a write may take the file over in between
+    # (it was evicted). The reader's descriptor then holds the new block's bytes: the read of
+    # the old entry must fail, never deliver them as the old block.
+    from kvtier.disk.index import DiskEntry
+    root, pool, io = make(tmp_path)
+    try:
+        job = io.write([(NS, b"\x01" * 16, io.next_seqs(1)[0], 0)], SIZE, "t")
+        assert until(lambda: job.ok)
+        _, crc, old = job.ok[0]
+        entry = DiskEntry(NS, b"\x01" * 16, job.items[0][2], SIZE, crc, old)
+        fd = os.open(old, os.O_RDONLY)  # the reader, just before the write
+        try:
+            write(io, [b"\x02" * 16], evicted=[old])
+            assert io.counters["recycled"] == 1
+            why = io._read_verified(fd, entry, 4 * SIZE, SIZE)  # the reader's read, into another slot
+        finally:
+            os.close(fd)
+        assert why == "header names another block"
+    finally:
+        io.close()
