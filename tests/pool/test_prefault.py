@@ -174,4 +174,6 @@ def test_a_tmpfs_filling_while_the_rest_faults_in_stops_the_pool_at_what_is_in(s
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     done, finished, error = out.stdout.split(" ", 2)
-    assert finished == "False" and 8 <= int(done) <= 32 and "is /dev/shm large enough?" in error
+    # The first 8 MiB (start) are never touched here, so the 32 MiB tmpfs can hold pages up to
+    # 40 MiB: a run that filled it to its last page counts 40 (seen under load), never more.
+    assert finished == "False" and 8 <= int(done) <= 8 + 32 and "is /dev/shm large enough?" in error
