@@ -79,6 +79,7 @@ REMOTE_COUNTERS = (  # stats key under "remote", metric name, help
 DISK_COUNTERS = (  # stats key under "disk", metric name, help
     ("written", "disk_blocks_written", "Blocks written to the disk tier."),
     ("written_bytes", "disk_written_bytes", "Bytes written to the disk tier (payload)."),
+    ("recycled", "disk_blocks_recycled", "Writes that overwrote a file evicted for them (no new file, no unlink)."),
     ("read", "disk_blocks_read", "Blocks read back from the disk tier and verified."),
     ("read_bytes", "disk_read_bytes", "Bytes read back from the disk tier."),
     ("dropped", "disk_blocks_dropped", "Disk blocks dropped, oldest first, to stay within disk_size."),

@@ -45,6 +45,9 @@ def test_a_full_disk_overwrites_what_it_evicts_and_every_file_is_the_block_it_na
         assert s["rejected"] == 0 and s["used_bytes"] <= s["capacity_bytes"]
         assert len(block_files(root)) == s["blocks"]
         assert os.listdir(root / TMP_DIR) == []
+        from kvtier.daemon.metrics import SnapshotCollector
+        metric = {f.name: f for f in SnapshotCollector(d.stats).collect()}["kvtier_disk_blocks_recycled"]
+        assert metric.samples[0].value == d.stats()["disk"]["recycled"] == s["recycled"]
         last = CHAINS - 1
         assert c.lookup(chain(0, CHAIN)) == 0  # long evicted from RAM and disk
         loaded = check_chains_on_disk(c, kv, want)
