@@ -225,7 +225,7 @@ class DiskBridge:
                 self.backlog.lost(tenant, "over_share", n)
                 continue
             self.removed(victims)
-            dirs = self.emptied({v.ns_key for v in victims})
+            dirs = self.emptied({v.ns_key for v in victims} - {key})  # not the one this job writes into
             self.io.unlink([v.path for v in victims if v.size != size], dirs)
             self._fit_later()
             self.index.pin(entries)

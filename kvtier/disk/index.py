@@ -178,6 +178,8 @@ class DiskIndex:
         ``found``: by the start-up scan, aged by its seq and not fitted yet (``shrink``)."""
         old = self.namespaces.get(entry.ns_key, {}).get(entry.key)
         if old is not None:
+            if old.path == entry.path:  # the scan found a file this daemon had indexed already
+                return []
             if old.seq >= entry.seq:
                 return [entry]
             self.remove(old)  # may forget the namespace's map: taken again below
@@ -255,6 +257,10 @@ class DiskIndex:
             for k, hidden in f.parts:
                 if k == entry.ns_key and hidden.get(entry.key) is entry:
                     del hidden[entry.key]
+                    if not hidden:  # that part is done: ``hiding`` says so now, and its directory may go
+                        f.parts = [p for p in f.parts if p[1] is not hidden]
+                        if f.done:
+                            self.flushes.remove(f)
                     self.hidden -= 1
                     self._forget(entry)
                     return True

@@ -24,7 +24,7 @@ pool slot where reads use it (no page-cache copy, no writeback work for the
 kernel's flusher threads on the cores the stores need); see BENCHMARKS.md
 for why no fsync.
 
-Primitives: ``DiskIO(root, pool, threads, writers=WRITERS)``, ``.write(items, size, token, evicted)``,
+Primitives: ``DiskIO(root, pool, threads, writers=WRITERS)``, ``.write(items, size, token, evicted, ns_keys)``,
 ``.read(items, size, token, deadline)``, ``.unlink(paths)``, ``.scan()``,
 ``.remind(what)``, ``.completed() -> [(what, job)]``, ``.stalled(timeout)``, ``.wakeup_fd``,
 ``.counters``, ``.close()``.
@@ -273,20 +273,21 @@ class DiskIO:
     def _write_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         ns_key, key, seq, off = job.items[i]
         tmp = os.path.join(self.root, TMP_DIR, f"{self._tmp_prefix}{seq:x}.tmp")
-        recycled = i < len(job.evicted) and self._take_evicted(job.evicted[i], tmp)
-        payload = self.pool[off:off + job.size]
-        crc = checksum.of(payload)
         final = self.path_of(ns_key, key, seq)
-        # O_DIRECT: the device reads the slot itself (pinned until this returns), the header from
-        # an aligned page; no page-cache copy and no writeback for the kernel to do afterwards.
-        direct = self.direct and (self.base + off) % ALIGN == 0 and job.size % ALIGN == 0
-        header = encode_header(ns_key, key, seq, job.size, crc)
-        if direct:
-            page = self._page()
-            page[:] = header
-            header = memoryview(page)
+        payload = None
         try:
-            fd = os.open(tmp, (OPEN_REWRITE if recycled else OPEN_WRITE) | (os.O_DIRECT if direct else 0), 0o600)
+            taken = i < len(job.evicted) and self._take_evicted(job.evicted[i], tmp)
+            payload = self.pool[off:off + job.size]
+            crc = checksum.of(payload)
+            # O_DIRECT: the device reads the slot itself (pinned until this returns), the header from
+            # an aligned page; no page-cache copy and no writeback for the kernel to do afterwards.
+            direct = self.direct and (self.base + off) % ALIGN == 0 and job.size % ALIGN == 0
+            header = encode_header(ns_key, key, seq, job.size, crc)
+            if direct:
+                page = self._page()
+                page[:] = header
+                header = memoryview(page)
+            fd, recycled = self._open_tmp(tmp, taken, os.O_DIRECT if direct else 0)
             try:
                 write_all(fd, [header, payload])
                 if recycled and os.fstat(fd).st_size != HEADER_BYTES + job.size:  # a file of another size
@@ -312,10 +313,33 @@ class DiskIO:
             self._os_error(tally, f"writing {final}", exc, ns_key)
             quiet_unlink(tmp)
             return
+        except BaseException:  # a bug: the caller counts the error; nothing is left in tmp/
+            quiet_unlink(tmp)
+            raise
         finally:
-            payload.release()
+            if payload is not None:
+                payload.release()
         job.ok.append((i, crc, final))
         tally.update(written=1, written_bytes=job.size, written_direct=direct, recycled=recycled)
+
+    def _open_tmp(self, tmp: str, taken: bool, direct: int) -> tuple[int, bool]:
+        """The descriptor to write ``tmp`` through, and whether it overwrites a taken file. A taken
+        file is overwritten only if it is still what the tier wrote: a regular file of ours, no
+        other permission bits, one link (a FIFO planted there would block the open, a hard link
+        kept elsewhere would see the new bytes); otherwise it goes and a new file is made."""
+        if taken:
+            try:
+                fd = os.open(tmp, OPEN_REWRITE | os.O_NONBLOCK | direct)
+            except OSError:
+                fd = -1
+            if fd >= 0:
+                st = os.fstat(fd)
+                if not check_file(st, self.uid) and st.st_nlink == 1:
+                    return fd, True
+                os.close(fd)
+            log.warning("disk file %s taken over for a write is not as written; deleted, a new one made", tmp)
+            quiet_unlink(tmp)
+        return os.open(tmp, OPEN_WRITE | direct, 0o600), False
 
     def _take_evicted(self, path: str, tmp: str) -> bool:
         """Move an evicted file to ``tmp`` for a write to overwrite (no reader finds it by name
@@ -373,6 +397,9 @@ class DiskIO:
         if why:
             job.failed.append(i)
             job.bad.append(i)
+            if not os.path.lexists(entry.path):  # evicted and taken over by a write meanwhile: no fault
+                tally["missing"] += 1
+                return
             tally["rejected"] += 1
             log.error("disk block %s rejected and deleted: %s", entry.path, why)
             return

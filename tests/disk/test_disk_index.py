@@ -75,6 +75,37 @@ def test_the_oldest_go_first_and_the_newer_copy_of_a_block_stays():
     idx.check_integrity()
 
 
+def test_the_scan_finding_a_file_the_index_already_holds_leaves_it_be():
+    # The start-up scan lists directories while this daemon writes: a file written (and
+    # indexed) before the scan reached it is found again, same name, same seq. It is the copy
+    # the index holds, not a stale one to delete (it was returned for unlinking).
+    idx = DiskIndex(capacity=3 * file_bytes(100))
+    held = entry("a", 1, seq=5)
+    assert idx.add(held) == []
+    again = DiskEntry(held.ns_key, held.key, held.seq, held.size, held.crc, held.path)
+    assert idx.add(again, found=True) == []
+    assert idx.entries_of("a")[held.key] is held and len(idx) == 1
+    idx.check_integrity()
+
+
+def test_room_made_from_a_flushs_last_hidden_files_ends_that_flushs_part_at_once():
+    # Making room may take a flush's hidden entries (they still take space). When it takes the
+    # last of a namespace's, the flush holds nothing of it any more: ``hiding`` says so at once,
+    # so the eviction's unlink may remove the namespace's directory (it used to wait for a drain
+    # that then freed nothing and asked for no directory).
+    idx = DiskIndex(capacity=2 * file_bytes(100))
+    idx.add(entry("a", 1, seq=1))
+    idx.add(entry("b", 2, seq=2))
+    job = idx.hide(["a"])
+    assert idx.hiding("a") and not job.done
+    victims = idx.reserve(file_bytes(100))
+    assert [v.ns_key for v in victims] == ["a"]
+    assert not idx.hiding("a") and job.done and idx.hidden == 0
+    assert idx.drain(10) == [] and not idx.flushes
+    idx.release(file_bytes(100))
+    idx.check_integrity()
+
+
 def ident(entries) -> list:
     return [(e.ns_key, e.key, e.seq) for e in entries]
 

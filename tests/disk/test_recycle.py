@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import time
 
+import pytest
+
 from kvtier.disk.format import HEADER_BYTES, TMP_DIR, decode_header, ns_dir
+from kvtier.disk.files import direct_io_works
 from kvtier.disk.io import DiskIO
 from kvtier.pool import checksum
 
@@ -37,12 +41,14 @@ def write(io, keys: list[bytes], size=SIZE, evicted=()) -> list[str]:
     return [p for _, _, p in sorted(job.ok)]
 
 
-def make(tmp_path):
+def make(tmp_path, direct=False):
     root = tmp_path / "disk"
     (root / TMP_DIR).mkdir(parents=True)
     pool = mmap.mmap(-1, 2**20)
     pool[:] = os.urandom(len(pool))
-    return root, pool, DiskIO(str(root), pool, threads=1, direct=False)
+    if direct and not direct_io_works(str(root / TMP_DIR)):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    return root, pool, DiskIO(str(root), pool, threads=1, direct=direct)
 
 
 def read(path) -> tuple:
@@ -51,8 +57,9 @@ def read(path) -> tuple:
     return decode_header(data[:HEADER_BYTES]), data[HEADER_BYTES:]
 
 
-def test_a_write_overwrites_the_file_evicted_for_it_under_its_own_name(tmp_path):
-    root, pool, io = make(tmp_path)
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_a_write_overwrites_the_file_evicted_for_it_under_its_own_name(tmp_path, direct):
+    root, pool, io = make(tmp_path, direct)
     try:
         old = write(io, [b"\x01" * 16, b"\x02" * 16])
         inodes = {os.stat(p).st_ino for p in old}
@@ -64,6 +71,7 @@ def test_a_write_overwrites_the_file_evicted_for_it_under_its_own_name(tmp_path)
             assert (h.ns_key, h.key, h.size) == (NS, k, SIZE) and os.stat(p).st_size == HEADER_BYTES + SIZE
             assert payload == pool[j * SIZE:(j + 1) * SIZE] and checksum.matches(payload, h.crc)
         assert io.counters["recycled"] == 2 and io.counters["unlinked"] == 0
+        assert io.counters["written_direct"] == (4 if direct else 0)
         assert os.listdir(root / TMP_DIR) == []
         assert sorted(os.listdir(root / ns_dir(NS))) == sorted(map(os.path.basename, new))
     finally:
@@ -135,5 +143,46 @@ def test_a_reader_that_opened_the_file_before_a_write_took_it_over_gets_no_block
         finally:
             os.close(fd)
         assert why == "header names another block"
+    finally:
+        io.close()
+
+
+def plant_fifo(path):
+    os.unlink(path)
+    os.mkfifo(path, 0o600)
+
+
+def plant_hard_link(path):
+    os.link(path, path + ".backup")  # a second name, e.g. a backup made with cp -al
+
+
+def plant_world_writable(path):
+    os.chmod(path, 0o666)
+
+
+def plant_other_owner(path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown")
+    os.chown(path, 41008, 41008)
+
+
+@pytest.mark.parametrize("plant", [plant_fifo, plant_hard_link, plant_world_writable, plant_other_owner])
+def test_a_write_overwrites_only_a_file_that_is_still_as_the_tier_wrote_it(tmp_path, plant):
+    # Someone with the daemon's rights (or a backup tool) changed the evicted file: a FIFO would
+    # block the writer's open for good, a hard link would see another tenant's block, a file
+    # others may write or another user owns is no longer the tier's. The write makes its own.
+    root, pool, io = make(tmp_path)
+    try:
+        old = write(io, [b"\x01" * 16])[0]
+        before = open(old, "rb").read() if plant is plant_hard_link else None
+        plant(old)
+        new = write(io, [b"\x02" * 16], evicted=[old])[0]  # returns: the open did not block
+        assert io.counters["recycled"] == 0
+        st = os.stat(new)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid() and st.st_nlink == 1
+        assert read(new)[1] == pool[:SIZE]
+        assert os.listdir(root / TMP_DIR) == []  # what was planted is gone from tmp/
+        if before is not None:
+            assert open(old + ".backup", "rb").read() == before  # the other name kept its bytes
     finally:
         io.close()

@@ -47,22 +47,3 @@ def test_a_directory_named_by_the_last_of_many_unlink_jobs_goes_once_all_its_fil
         io.close()
         pool.close()
 
-
-def test_a_directory_a_new_file_came_back_to_stays_and_its_file_with_it(tmp_path):
-    root = tmp_path / "disk"
-    (root / TMP_DIR).mkdir(parents=True)
-    pool = mmap.mmap(-1, 2**20)
-    io = DiskIO(str(root), pool, threads=1, direct=False)
-    d = root / ns_dir(NS)
-    try:
-        d.mkdir()
-        old, new = d / "old", d / "new"
-        old.touch()
-        new.touch()  # a write of the namespace landed after the flush emptied it
-        io.unlink([str(old)], [NS])
-        assert until(lambda: not old.exists())
-        time.sleep(0.05)
-        assert sorted(os.listdir(d)) == ["new"]
-    finally:
-        io.close()
-        pool.close()
