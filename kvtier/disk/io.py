@@ -335,6 +335,9 @@ class DiskIO:
             if fd >= 0:
                 st = os.fstat(fd)
                 if not check_file(st, self.uid) and st.st_nlink == 1:
+                    # a write must wait for the disk, not fail with EAGAIN (an O_DIRECT write
+                    # on a descriptor left non-blocking may, on some kernels and filesystems)
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
                     return fd, True
                 os.close(fd)
             log.warning("disk file %s taken over for a write is not as written; deleted, a new one made", tmp)

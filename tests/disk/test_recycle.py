@@ -7,6 +7,7 @@ evicted create their own, and a file of another size is cut to the new block's."
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import stat
@@ -184,5 +185,23 @@ def test_a_write_overwrites_only_a_file_that_is_still_as_the_tier_wrote_it(tmp_p
         assert os.listdir(root / TMP_DIR) == []  # what was planted is gone from tmp/
         if before is not None:
             assert open(old + ".backup", "rb").read() == before  # the other name kept its bytes
+    finally:
+        io.close()
+
+
+def test_a_taken_over_file_is_written_through_a_blocking_descriptor(tmp_path):
+    # The take-over opens non-blocking (a planted FIFO must not hang the writer), then makes the
+    # descriptor blocking again before it writes: a write may wait for the disk, never fail
+    # with EAGAIN.
+    root, pool, io = make(tmp_path)
+    try:
+        old = write(io, [b"\x01" * 16])[0]
+        tmp = str(root / TMP_DIR / "taken.tmp")
+        os.rename(old, tmp)
+        fd, recycled = io._open_tmp(tmp, True, 0)
+        try:
+            assert recycled and not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+        finally:
+            os.close(fd)
     finally:
         io.close()
