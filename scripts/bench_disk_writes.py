@@ -87,7 +87,8 @@ def per_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
 
 def recycled(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
     """The tier's path since 90f9186: once the disk is full, the file evicted for a block is
-    moved to tmp/ ("unlink" column: that rename), overwritten (no create) and renamed into place."""
+    moved to tmp/ ("unlink" column: that rename), opened and checked ("open": open, fstat, two
+    fcntl), overwritten (no create) and renamed into place."""
     tmp, final = os.path.join(root, "tmp"), os.path.join(root, "ns")
     os.makedirs(tmp), os.makedirs(final)
     direct_flag = os.O_DIRECT if direct else 0
@@ -107,7 +108,10 @@ def recycled(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
         if full:
             os.rename(names.pop(0), t)
         c1 = time.thread_time()
-        fd = os.open(t, rewrite if full else create, 0o600)
+        fd = os.open(t, (rewrite | os.O_NONBLOCK) if full else create, 0o600)
+        if full:  # the tier's checks of a taken file: fstat, then blocking again
+            os.fstat(fd)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         c2 = time.thread_time()
         os.pwritev(fd, [header, payload], 0)
         c3 = time.thread_time()
