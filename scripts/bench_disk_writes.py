@@ -50,12 +50,17 @@ READ_STEPS = ("open", "read", "close")
 KEEP = 64  # blocks left on disk for the reads
 
 
-def per_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
-    """The tier's path: a file per block, renamed into place, and one unlinked per block written."""
+def tier_dirs(root: str) -> tuple[str, str, memoryview]:
+    """The tier's tmp/ and a namespace directory under ``root``, and an aligned header page."""
     tmp, final = os.path.join(root, "tmp"), os.path.join(root, "ns")
     os.makedirs(tmp), os.makedirs(final)
+    return tmp, final, memoryview(mmap.mmap(-1, HEADER))
+
+
+def per_file(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
+    """The tier's path: a file per block, renamed into place, and one unlinked per block written."""
+    tmp, final, header = tier_dirs(root)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
-    header = memoryview(mmap.mmap(-1, HEADER))
     cpu = dict.fromkeys(STEPS, 0.0)
     block = len(buf) // KEEP  # the buffer holds KEEP blocks
     names = []
@@ -89,12 +94,10 @@ def recycled(root: str, buf: mmap.mmap, blocks: int, direct: bool) -> dict:
     """The tier's path since 90f9186: once the disk is full, the file evicted for a block is
     moved to tmp/ ("unlink" column: that rename), opened and checked ("open": open, fstat, two
     fcntl), overwritten (no create) and renamed into place."""
-    tmp, final = os.path.join(root, "tmp"), os.path.join(root, "ns")
-    os.makedirs(tmp), os.makedirs(final)
+    tmp, final, header = tier_dirs(root)
     direct_flag = os.O_DIRECT if direct else 0
     create = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | direct_flag
     rewrite = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | direct_flag
-    header = memoryview(mmap.mmap(-1, HEADER))
     cpu = dict.fromkeys(STEPS, 0.0)
     block = len(buf) // KEEP
     names = []

@@ -155,15 +155,20 @@ def test_another_user_can_neither_write_into_disk_path_nor_load_a_tenants_disk_b
         shutil.rmtree(run, ignore_errors=True)
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 192 KiB tmpfs: room for 9 files of a 16 KiB block."""
+def mounted_tmpfs(tmp_path, size: str):
+    """A tmpfs of ``size`` at tmp_path/mnt for the test's length (a generator for fixtures)."""
     mnt = tmp_path / "mnt"
     mnt.mkdir(mode=0o700)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k,mode=0700", "tmpfs", str(mnt)]).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)]).returncode:
         pytest.skip("cannot mount a tmpfs here")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)])
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 192 KiB tmpfs: room for 9 files of a 16 KiB block."""
+    yield from mounted_tmpfs(tmp_path, "192k")
 
 
 @needs_root

@@ -8,13 +8,12 @@ in tmp/. And a disk sized to its filesystem, once full, fails no write for space
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
 
 from kvtier.disk.format import TMP_DIR
-from tests.daemon.test_disk_attacks import needs_root
+from tests.daemon.test_disk_attacks import mounted_tmpfs, needs_root
 from tests.daemon.test_disk_tier import BLOCK, block_files, chain, disk_env, scanned, written
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, block_bytes, make_kv
@@ -84,12 +83,7 @@ def check_chains_on_disk(c, kv, want) -> list[int]:
 @pytest.fixture
 def fs_of_1mib(tmp_path):
     """A 1 MiB tmpfs: with disk_size 1MiB, 51 files of a 16 KiB block fill it to its last page."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir(mode=0o700)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
+    yield from mounted_tmpfs(tmp_path, "1m")
 
 
 @needs_root

@@ -11,7 +11,6 @@ import fcntl
 import mmap
 import os
 import stat
-import time
 
 import pytest
 
@@ -19,18 +18,14 @@ from kvtier.disk.format import HEADER_BYTES, TMP_DIR, decode_header, ns_dir
 from kvtier.disk.files import direct_io_works
 from kvtier.disk.io import DiskIO
 from kvtier.pool import checksum
+from tests.daemon.test_reaping import wait_for
 
 NS = "team\x00model|float16"
 SIZE = 16 * 1024
 
 
 def until(cond, timeout=20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return cond()
+    return wait_for(cond, timeout, interval=0.002)
 
 
 def write(io, keys: list[bytes], size=SIZE, evicted=()) -> list[str]:

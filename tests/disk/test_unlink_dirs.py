@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 
 from kvtier.disk.format import TMP_DIR, ns_dir
 from kvtier.disk.io import DiskIO
+from tests.daemon.test_reaping import wait_for
 
 NS = "team\x00model|float16"
 
 
 def until(cond, timeout=30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.002)
-    return cond()
+    return wait_for(cond, timeout, interval=0.002)
 
 
 def test_a_directory_named_by_the_last_of_many_unlink_jobs_goes_once_all_its_files_are_gone(tmp_path):
