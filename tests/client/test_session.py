@@ -34,7 +34,11 @@ def test_a_forgotten_clients_transfer_ends_with_the_daemons_cancel_confirmation(
         r = h.wait(timeout=5)
         assert r.failed == (0, 1, 2, 3) and "cancelled" in r.error
         assert h.held_blocks == ()
-        assert d.stats()["namespaces"][0]["writing"] == 0
+        # Nothing is being written any more. The namespace itself may already be
+        # gone: with the old session's registration forgotten and no block in it,
+        # the reaper forgets it (forget_idle_namespaces) on its next turn.
+        rows = d.stats()["namespaces"]
+        assert [n["writing"] for n in rows] in ([], [0]), rows
     finally:
         c.close()
         kv.close()
