@@ -30,6 +30,7 @@ MAX_PERIOD_S = 86400.0  # the poll loop turns these into timeouts: inf or 1e300 
 GPU_MODES = ("auto", "on", "off")
 PREFAULT_MODES = ("background", "start")
 GPU_COPY_METHODS = ("auto", "dma", "kernel")
+DISK_WRITERS = ("process", "threads")  # disk/writer.py, or the daemon's own threads
 
 
 def default_copy_threads() -> int:
@@ -88,6 +89,7 @@ class DaemonConfig:
     disk_size: int = 0              # bytes the disk tier may fill (required with disk_path); least recently used dropped first
     disk_threads: int = 4           # I/O threads of the disk tier (BENCHMARKS.md, disk tier)
     disk_timeout_s: float = 1.0     # a load waits this long for disk reads, then goes on without them
+    disk_writer: str = "process"    # where block files are written: a process of their own, or "threads" (ours)
     tenants: str = ""               # users who share a cache: "team-a:alice,bob,1003; team-b:carol"
     admin_group: str = ""           # group (name or gid) whose members may flush/see every tenant
     max_connections: int = 256      # ZeroMQ connections at once (all users); more are closed
@@ -201,6 +203,8 @@ class DaemonConfig:
             bad("disk_threads", "must be in [1, 64]")
         if not 0 < self.disk_timeout_s <= 60:
             bad("disk_timeout_s", "must be in (0, 60]")
+        if self.disk_writer not in DISK_WRITERS:
+            bad("disk_writer", f"must be one of {', '.join(DISK_WRITERS)}")
         for key in ("remote_budget", "remote_queue"):
             if getattr(self, key) < 0:
                 bad(key, "must be >= 0")

@@ -128,7 +128,7 @@ class Daemon:
         self.listener = Listener(config, owns_path=self._lock_fd is not None)
         send, getter = self.listener.send, (lambda: self.config)  # the config: replaced whole on SIGHUP
         from ..remote.bridge import open_remote  # here: redis is imported only when it is used
-        self.disk = self._start_tier(open_disk, config, self.index, crcs, self.warm)
+        self.disk = self._start_tier(open_disk, config, self.index, crcs, self.warm, self.segment.name)
         self.remote = self._start_tier(open_remote, config, self.index, send, crcs, cluster_names(config))
         tiers = [t for t in (self.disk, self.remote) if t is not None]
         self.sessions = Sessions(getter, self.index, self.swap, self.counters, self.gpu, self.listener.handover,

@@ -382,7 +382,7 @@ class DiskBridge:
         keys = ("written", "written_bytes", "written_direct", "read", "read_bytes", "read_direct", "rejected", "missing", "enospc", "eio",
                 "read_errors", "errors", "read_expired", "read_late", "unlinked", "recycled", "scanned",
                 "scan_rejected")
-        out = {"enabled": True, "path": self.io.root, "o_direct": self.io.direct,
+        out = {"enabled": True, "path": self.io.root, "o_direct": self.io.direct, "writer": self.io.writer_state(),
                "capacity_bytes": self.dindex.capacity,
                "used_bytes": self.dindex.used, "reserved_bytes": self.dindex.reserved,
                "blocks": len(self.dindex), "dropped": self.dindex.dropped, "queued_bytes": self.queued,

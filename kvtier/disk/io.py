@@ -62,8 +62,12 @@ MAX_TENANT_ERRORS = 256  # (tenant, counter) messages kept: a tenant per uid at 
 
 class DiskIO:
     def __init__(self, root: str, pool, threads: int, fsync: bool = False, direct: bool | None = None,
-                 writers: int = WRITERS):
+                 writers: int = WRITERS, pool_name: str | None = None, on_note=None, writer_argv=None):
+        """``pool_name``: the pool's shared memory, which a writer process maps (writer_link.py);
+        None: the writes run on this process's threads. ``on_note``: errors go there instead of the
+        log and the counters' messages (the writer process hands them to the daemon)."""
         self.root, self.fsync = root, fsync
+        self._on_note = on_note
         self.pool = memoryview(pool).cast("B")
         self.base = buffer_address(self.pool)
         # Reads by O_DIRECT (DMA into the pool, no page cache) where the filesystem takes it
@@ -86,6 +90,7 @@ class DiskIO:
         self._closing = False
         self._seq = itertools.count(time.time_ns())
         self._tmp_prefix = f"{os.getpid()}-{time.time_ns():x}-"
+        self.tmp_prefix = self._tmp_prefix   # what this process's files in tmp/ start with
         self._dirs: set[str] = set()
         self._unlinking: Counter = Counter()  # directory -> its files queued to be unlinked (the lock's)
         self._rmdir_wanted: set[str] = set()  # directories to remove when their count reaches 0 (the lock's)
@@ -96,6 +101,11 @@ class DiskIO:
         self._threads.append(threading.Thread(target=self._clock, name="kvtier-disk-clock", daemon=True))
         for t in self._threads:
             t.start()
+        self._writer = None                  # the writer process, when writes run there
+        self._writer_counters: dict = {}     # its counters, as it last said (the lock's)
+        self.writer_lost = ""                # why writes went back to these threads
+        if pool_name:
+            self._start_writer(pool_name, writer_argv)
 
     # ---- loop-thread API -----------------------------------------------------------------
     @property
@@ -118,7 +128,56 @@ class DiskIO:
         reused, extra = list(evicted[:len(items)]), list(evicted[len(items):])
         self.unlink(extra, ns_keys)
         self._leaving(reused, ns_keys)
-        return self._queue(DiskJob("write", token, items, size, evicted=reused))
+        job = DiskJob("write", token, items, size, evicted=reused)
+        if self._writer is not None and self._writer.submit(job):
+            return job
+        return self._queue(job)
+
+    # ---- the writer process (writer_link.py) ---------------------------------------------------
+    def _start_writer(self, pool_name: str, argv) -> None:
+        from .writer_link import WriterError, WriterProcess
+        w = WriterProcess(self.root, pool_name, self.direct, self.fsync, self._writer_done, self._writer_lost,
+                          self._note, argv)
+        try:
+            w.start()
+        except WriterError as exc:
+            self.writer_lost = str(exc)
+            log.error("%s; the daemon's threads write the disk tier's blocks", exc)
+            return
+        self._writer = w
+
+    def _writer_done(self, job: DiskJob, ok: list, failed: list, counters: dict) -> None:
+        """The writer process answered ``job`` (its reader thread): as if these threads had written it."""
+        items = job.items
+        with self.lock:
+            self._writer_counters = counters
+            job.ok = [(i, crc, self.path_of(items[i][0], items[i][1], items[i][2])) for i, crc in ok]
+            job.failed = failed
+            job.next = job.finished = len(items)
+            # the evicted files it overwrote have left their directories: those wanted gone may go
+            emptied = [d for d in (self._unlinked_in(os.path.dirname(p)) for p in job.evicted) if d]
+        for d in emptied:
+            self._remove_dir(d)
+        self._done.put(("done", job))
+
+    def _writer_lost(self, reason: str, jobs: list) -> None:
+        """The writer process ended: what it had not answered is written here, from the pool (pinned
+        still), after its half-written files in tmp/ are gone."""
+        prefix = self._writer.tmp_prefix
+        with self.lock:
+            self.counters.update(self._writer_counters)
+            self._writer_counters = {}
+            self.writer_lost = reason
+        tmp = os.path.join(self.root, TMP_DIR)
+        try:
+            names = [n for n in os.listdir(tmp) if prefix and n.startswith(prefix)]
+        except OSError:
+            names = []
+        for n in names:
+            quiet_unlink(os.path.join(tmp, n))
+        for job in jobs:
+            job.ok, job.failed, job.next, job.finished = [], [], 0, 0
+            self._queue(job)
 
     def read(self, items: list, size: int, token, deadline: float) -> DiskJob:
         job = self._queue(DiskJob("read", token, items, size, deadline))
@@ -150,6 +209,8 @@ class DiskIO:
     def hurry(self, urgent: bool) -> None:
         """The write backlog is filling (or no longer): one more writer, at the daemon's priority."""
         if urgent != self._queues.urgent:
+            if self._writer is not None:
+                self._writer.hurry(urgent)
             with self.lock:
                 self._queues.urgent = urgent
                 self._lanes["urgent"].notify_all()
@@ -177,11 +238,20 @@ class DiskIO:
         """Counters and the last error message per counter: every one (None: the operator),
         or only those about ``tenant``'s own files."""
         with self.lock:
+            counters = self.counters + Counter(self._writer_counters)
             if tenant is None:
-                return dict(self.counters), dict(self.errors)
-            return dict(self.counters), {c: msg for (t, c), msg in self.tenant_errors.items() if t == tenant}
+                return dict(counters), dict(self.errors)
+            return dict(counters), {c: msg for (t, c), msg in self.tenant_errors.items() if t == tenant}
+
+    def writer_state(self) -> dict:
+        """Where the writes run: {"process": pid} or {"process": None, "why": reason}."""
+        if self._writer is not None and not self._writer.lost:
+            return {"process": self._writer.pid}
+        return {"process": None, "why": self.writer_lost or "disk_writer = \"threads\""}
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
         with self._cv:
             self._closing = True
             for cv in (self._cv, *set(self._lanes.values())):
@@ -253,6 +323,9 @@ class DiskIO:
                 self._remove_dir(emptied)
 
     def _note(self, counter: str, message: str, ns_key: str = "") -> None:
+        if self._on_note is not None:
+            self._on_note(counter, message, ns_key)
+            return
         with self.lock:
             first = counter not in self.errors
             self.errors[counter] = message

@@ -9,7 +9,7 @@ The block files themselves are 0600 and read only when owned by the
 daemon's user (``io.check_file``).
 
 Primitives: ``check_dir(path) -> str`` (the absolute path; ValueError says why),
-``open_disk(config, pool, index, crcs, journal) -> DiskBridge | None`` (attached below ``index``).
+``open_disk(config, pool, index, crcs, journal, pool_name) -> DiskBridge | None`` (attached below ``index``).
 """
 
 from __future__ import annotations
@@ -61,17 +61,21 @@ def check_dir(path: str) -> str:
     return root
 
 
-def open_disk(config, pool, index, crcs: dict | None, journal=None) -> DiskBridge | None:
+def open_disk(config, pool, index, crcs: dict | None, journal=None, pool_name: str | None = None) -> DiskBridge | None:
     """The disk tier under ``index`` (attached as its lower tier), or None when ``disk_path`` is off.
-    ``journal``: warm restart's, which records blocks read back like stores."""
+    ``journal``: warm restart's, which records blocks read back like stores. ``pool_name``: the
+    pool's shared memory, for the writer process (``disk_writer = "process"``; writer.py)."""
     if not config.disk_path:
         return None
     root = check_dir(config.disk_path)
-    io = DiskIO(root, pool, config.disk_threads)
+    io = DiskIO(root, pool, config.disk_threads,
+                pool_name=pool_name if config.disk_writer == "process" else None)
     dindex = DiskIndex(config.disk_size, config.tenant_share, config.policy)  # its order follows the pool's
     bridge = DiskBridge(io, dindex, index, config.disk_timeout_s,
                         min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size, journal=journal)
     index.attach_lower(bridge)  # the one late link: the bridge is built over the index it extends
-    log.info("disk tier %s: %s, %d I/O threads, loads wait at most %.2fs; scanning its files",
-             root, format_size(config.disk_size), config.disk_threads, config.disk_timeout_s)
+    w = io.writer_state()
+    log.info("disk tier %s: %s, %d read threads, writes %s, loads wait at most %.2fs; scanning its files",
+             root, format_size(config.disk_size), config.disk_threads,
+             f"in writer process {w['process']}" if w["process"] else "on the daemon's threads", config.disk_timeout_s)
     return bridge

@@ -1,0 +1,59 @@
+"""The daemon's disk writes run in a writer process (kvtier/disk/writer.py): status names it,
+a writer killed in the middle of a flood of stores loses no committed block (the daemon's own
+threads write what it had not), and it never outlives its daemon, even a SIGKILLed one (a new
+daemon empties tmp/ at start: an orphan still writing there would race it). Real daemons,
+real files, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.daemon.test_disk_lossless import drained, loads_back, store_chains
+from tests.daemon.test_disk_tier import disk_env
+from tests.daemon.test_reaping import wait_for
+from tests.helpers import NS, make_kv
+
+
+def test_status_names_the_writer_process_and_threads_write_when_asked(daemon_factory, tmp_path):
+    d = daemon_factory(process=True, env=disk_env(tmp_path / "disk"), pool_size="8MiB", slab_size="1MiB")
+    w = d.stats()["disk"]["writer"]
+    assert w["process"] and w["process"] != d.proc.pid
+    with open(f"/proc/{w['process']}/status") as f:
+        assert f"PPid:\t{d.proc.pid}\n" in f.read()
+    t = daemon_factory(process=True, env=disk_env(tmp_path / "disk2", disk_writer="threads"), pool_size="8MiB",
+                       slab_size="1MiB", socket=str(tmp_path / "t.sock"))
+    assert t.stats()["disk"]["writer"] == {"process": None, "why": 'disk_writer = "threads"'}
+
+
+def test_a_writer_killed_in_a_flood_of_stores_loses_no_committed_block(daemon_factory, tmp_path):
+    """192 blocks stored back to back (more than the write-behind queue holds); the writer is
+    SIGKILLed after the first chains: every block still reaches the disk and loads back exact."""
+    d = daemon_factory(process=True, env=disk_env(tmp_path / "disk"), pool_size="8MiB", slab_size="1MiB")
+    pid = d.stats()["disk"]["writer"]["process"]
+    kv = make_kv(seed=5)
+    with d.client(name="engine") as c:
+        c.register_kv_cache(kv, [0] * 4, NS)
+        want = store_chains(c, kv, range(1, 3))
+        os.kill(pid, signal.SIGKILL)
+        want.update(store_chains(c, kv, range(3, 7)))
+    s = drained(d)
+    assert (s["written"], s["blocks"], s["not_written"]) == (192, 192, {})
+    assert s["writer"]["process"] is None and "signal 9" in s["writer"]["why"]
+    assert "disk writer process" in d.read_log()  # the operator is told, once
+    assert loads_back(d, kv, range(1, 7), want, exact=True) == 192
+
+
+def test_the_writer_does_not_outlive_a_sigkilled_daemon(daemon_factory, tmp_path):
+    d = daemon_factory(process=True, env=disk_env(tmp_path / "disk"), pool_size="8MiB", slab_size="1MiB")
+    pid = d.stats()["disk"]["writer"]["process"]
+    d.proc.kill()
+    d.proc.wait()
+
+    def gone() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1][0] == "Z"  # exited, not yet reaped by init
+        except FileNotFoundError:
+            return True
+    assert wait_for(gone, 10)
