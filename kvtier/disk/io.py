@@ -103,9 +103,11 @@ class DiskIO:
             t.start()
         self._writer = None                  # the writer process, when writes run there
         self._writer_counters: dict = {}     # its counters, as it last said (the lock's)
-        self.writer_lost = ""                # why writes went back to these threads
-        if pool_name:
-            self._start_writer(pool_name, writer_argv)
+        self.writer_lost = ""                # why writes run on these threads
+        if pool_name:  # started beside the daemon's own start: writes run here until it is ready
+            self.writer_lost = "the writer process is starting"
+            threading.Thread(target=self._start_writer, args=(pool_name, writer_argv),
+                             name="kvtier-disk-writer-start", daemon=True).start()
 
     # ---- loop-thread API -----------------------------------------------------------------
     @property
@@ -144,7 +146,12 @@ class DiskIO:
             self.writer_lost = str(exc)
             log.error("%s; the daemon's threads write the disk tier's blocks", exc)
             return
-        self._writer = w
+        with self.lock:
+            closing = self._closing
+            if not closing:
+                self._writer, self.writer_lost = w, ""
+        if closing:  # the tier closed while it started
+            w.close()
 
     def _writer_done(self, job: DiskJob, ok: list, failed: list, counters: dict) -> None:
         """The writer process answered ``job`` (its reader thread): as if these threads had written it."""

@@ -15,9 +15,15 @@ from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
 
 
+def writer_pid(d) -> int:
+    """The writer process's pid once it is ready (it starts beside the daemon's own start)."""
+    assert wait_for(lambda: d.stats()["disk"]["writer"]["process"], 30)
+    return d.stats()["disk"]["writer"]["process"]
+
+
 def test_status_names_the_writer_process_and_threads_write_when_asked(daemon_factory, tmp_path):
     d = daemon_factory(process=True, env=disk_env(tmp_path / "disk"), pool_size="8MiB", slab_size="1MiB")
-    w = d.stats()["disk"]["writer"]
+    w = {"process": writer_pid(d)}
     assert w["process"] and w["process"] != d.proc.pid
     with open(f"/proc/{w['process']}/status") as f:
         assert f"PPid:\t{d.proc.pid}\n" in f.read()
@@ -30,7 +36,7 @@ def test_a_writer_killed_in_a_flood_of_stores_loses_no_committed_block(daemon_fa
     """192 blocks stored back to back (more than the write-behind queue holds); the writer is
     SIGKILLed after the first chains: every block still reaches the disk and loads back exact."""
     d = daemon_factory(process=True, env=disk_env(tmp_path / "disk"), pool_size="8MiB", slab_size="1MiB")
-    pid = d.stats()["disk"]["writer"]["process"]
+    pid = writer_pid(d)
     kv = make_kv(seed=5)
     with d.client(name="engine") as c:
         c.register_kv_cache(kv, [0] * 4, NS)
@@ -46,7 +52,7 @@ def test_a_writer_killed_in_a_flood_of_stores_loses_no_committed_block(daemon_fa
 
 def test_the_writer_does_not_outlive_a_sigkilled_daemon(daemon_factory, tmp_path):
     d = daemon_factory(process=True, env=disk_env(tmp_path / "disk"), pool_size="8MiB", slab_size="1MiB")
-    pid = d.stats()["disk"]["writer"]["process"]
+    pid = writer_pid(d)
     d.proc.kill()
     d.proc.wait()
 

@@ -45,7 +45,10 @@ def make(tmp_path, pool, argv=None) -> tuple:
     root = tmp_path / "disk"
     (root / TMP_DIR).mkdir(parents=True, exist_ok=True)
     name, mm = pool
-    return root, DiskIO(str(root), mm, threads=1, pool_name=name, writer_argv=argv)
+    io = DiskIO(str(root), mm, threads=1, pool_name=name, writer_argv=argv)
+    # it starts beside the daemon's own start: until it is ready the daemon's threads write
+    assert wait_for(lambda: "starting" not in io.writer_state().get("why", ""), 30)
+    return root, io
 
 
 def write(io, keys, size=SIZE, evicted=(), first=0):
