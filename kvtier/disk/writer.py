@@ -8,9 +8,10 @@ it ends when the daemon does (the pair's end-of-file), even a SIGKILLed one.
 Why a process: a block's write is a checksum and about a dozen syscalls, and
 in the daemon's threads each of them gives the interpreter lock back and takes
 it again. A writer thread, niced so that stores come first, is preempted while
-it holds the lock, and the loop and the copy threads wait for it: stores cost
-1.6-1.9x of the tier off in a flood with the writes in the daemon, 1.0-1.2x with
-them here (BENCHMARKS.md 13.12). The writes themselves are the daemon's own
+it holds the lock, and the loop and the copy threads wait for it. In a store
+flood on two cores, stores cost 1.68-2.30x of the tier off with the writes in
+the daemon's threads and 1.25-1.88x with them here, the daemon's other threads
+a third of the CPU per store (BENCHMARKS.md 13.12). The writes themselves are the daemon's own
 code (``DiskIO``, run here with writer threads only), so files, headers, the
 overwrite of evicted files and the checks are the same either way.
 
