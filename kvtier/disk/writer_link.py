@@ -114,8 +114,9 @@ class WriterProcess:
                 self._cv.notify()
 
     def close(self) -> None:
-        """Stop the writer: it finishes the block in hand and exits; a job it had not answered
-        stays unanswered (the daemon is stopping: warm restart re-queues what it kept)."""
+        """Stop the writer: it exits at the end of file (a block it was writing stays in tmp/, which
+        the next start's scan empties); a job it had not answered stays unanswered, as the queue of
+        the daemon's own threads does at close (warm restart re-queues what it kept)."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -170,15 +171,18 @@ class WriterProcess:
             if job is None:
                 raise ValueError(f"an answer for job {jid!r}, which it was not given")
             n = len(job.items)
+            ok = [(i, c) for i, c in ok]
             seen = [i for i, _ in ok] + list(failed)
-            if sorted(seen) != list(range(n)) or any(not isinstance(c, int) or not 0 <= c < 1 << 32 for _, c in ok):
+            if any(type(i) is not int for i in seen) or sorted(seen) != list(range(n)):
                 raise ValueError(f"an answer that does not account for job {jid}'s {n} items once each")
-            if not isinstance(counters, dict) or any(not isinstance(k, str) or not isinstance(v, int)
+            if any(type(c) is not int or not 0 <= c < 1 << 32 for _, c in ok):
+                raise ValueError(f"an answer with a checksum that is not a 32-bit value (job {jid})")
+            if not isinstance(counters, dict) or any(type(k) is not str or type(v) is not int or v < 0
                                                       for k, v in counters.items()):
-                raise ValueError("counters that are not {name: int}")
+                raise ValueError("counters that are not {name: count}")
             with self._lock:
                 del self._jobs[jid]
-            self.on_done(job, [(i, c) for i, c in ok], list(failed), counters)
+            self.on_done(job, ok, list(failed), counters)
         elif kind == "note":
             _, counter, message, ns_key = msg
             self.on_note(str(counter), str(message), str(ns_key))

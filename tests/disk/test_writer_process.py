@@ -173,14 +173,16 @@ IMPOSTOR = textwrap.dedent("""
             "short": ["done", job, [[i, 1] for i in range(n - 1)], [], {}],
             "big_crc": ["done", job, [[i, 1 << 40] for i in range(n)], [], {}],
             "bad_counters": ["done", job, [[i, 1] for i in range(n)], [], {"written": "many"}],
+            "float_index": ["done", job, [[float(i), 1] for i in range(n)], [], {}],
+            "negative_count": ["done", job, [[i, 1] for i in range(n)], [], {"written": -5}],
             "unknown_kind": ["format", "/"],
         }.get(lie)
         sock.send(b"\\xc1garbage" if answer is None else msgpack.packb(answer))
 """)
 
 
-@pytest.mark.parametrize("lie", ["unknown_job", "twice", "short", "big_crc", "bad_counters", "unknown_kind",
-                                 "garbage"])
+@pytest.mark.parametrize("lie", ["unknown_job", "twice", "short", "big_crc", "bad_counters", "float_index",
+                                 "negative_count", "unknown_kind", "garbage"])
 def test_a_writer_that_lies_is_ended_and_its_job_written_by_the_daemon_exact(tmp_path, pool, monkeypatch, lie):
     script = tmp_path / "impostor.py"
     script.write_text(IMPOSTOR)
