@@ -17,7 +17,8 @@ from tests.daemon.test_disk_tier import BLOCK, block_files, chain, disk_env, sca
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
 
-EXCESS = 20000  # old files beyond the new disk_size: ~20 slices of the loop's drop, 3 per lookup below
+EXCESS = 40000  # old files beyond the new disk_size: ~40 slices of the loop's drop, 3 round trips per check below
+# (20,000 left one check of a full suite's loaded run no slice to land between: 0 of them mid-drop)
 SMALL = 64      # their payload (a block of another size: never loaded, only counted and dropped)
 
 
