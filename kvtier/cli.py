@@ -175,7 +175,14 @@ def _disk(d: dict) -> list[str]:
             f"written {d['written']} ({format_size(d['written_bytes'])})  read {d['read']} "
             f"({format_size(d['read_bytes'])})  dropped {d['dropped']}  rejected {d['rejected'] + d['scan_rejected']}  "
             f"timed out {d['timed_out']}  I/O errors {failed}"
-            + (f" (ENOSPC {d['enospc']})" if d["enospc"] else "")]
+            + (f" (ENOSPC {d['enospc']})" if d["enospc"] else "") + _writer(d.get("writer"))]
+
+
+def _writer(w: dict | None) -> str:
+    """Where the disk writes run, when that is news: a writer process that ended (its reason)."""
+    if not w or w.get("process") or w.get("why", "").startswith(("disk_writer", "the writer process is starting")):
+        return ""
+    return f"  writes on the daemon's threads: {w['why']}"
 
 
 def _remote(r: dict) -> list[str]:
