@@ -10,6 +10,10 @@ import contextlib
 import io
 import os
 import signal
+import subprocess
+import sys
+
+import pytest
 
 from kvtier import cli
 
@@ -17,6 +21,9 @@ from tests.daemon.test_disk_lossless import drained, loads_back, store_chains
 from tests.daemon.test_disk_tier import disk_env
 from tests.daemon.test_reaping import wait_for
 from tests.helpers import NS, make_kv
+
+OTHER = 41055
+PROLOGUE = f"import os\nos.setgroups([]); os.setresgid({OTHER}, {OTHER}, {OTHER}); os.setresuid({OTHER}, {OTHER}, {OTHER})\n"
 
 
 def writer_pid(d) -> int:
@@ -72,3 +79,23 @@ def test_the_writer_does_not_outlive_a_sigkilled_daemon(daemon_factory, tmp_path
         except FileNotFoundError:
             return True
     assert wait_for(gone, 10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another uid")
+def test_another_user_cannot_reach_the_writers_pool_socket_or_memory(daemon_factory, tmp_path):
+    """The writer maps every tenant's blocks and holds the pool's descriptor: uid 41055 can open
+    none of its descriptors, read none of its memory and signal it not at all."""
+    d = daemon_factory(process=True, env=disk_env(tmp_path / "disk"), pool_size="8MiB", slab_size="1MiB")
+    pid = writer_pid(d)
+    fds = sorted(int(f) for f in os.listdir(f"/proc/{pid}/fd"))
+    probe = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'rb').read(1); print('read', p)\n"
+             "    except OSError as e:\n        print('refused', e.errno)\n"
+             f"try:\n    os.kill({pid}, 0); print('signalled')\nexcept PermissionError:\n    print('refused kill')\n")
+    paths = [f"/proc/{pid}/fd/{fd}" for fd in fds] + [f"/proc/{pid}/mem", f"/proc/{pid}/environ"]
+    out = subprocess.run([sys.executable, "-c", PROLOGUE + probe, *paths], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert not any(x.startswith(("read", "signalled")) for x in lines), out.stdout
+    # EACCES, the kernel's ptrace check: not ENXIO (a socket cannot be opened, by root either)
+    assert lines.count("refused 13") == len(paths) and "refused kill" in lines, out.stdout
