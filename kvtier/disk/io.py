@@ -152,6 +152,8 @@ class DiskIO:
                 self._writer, self.writer_lost = w, ""
         if closing:  # the tier closed while it started
             w.close()
+        else:
+            log.info("disk tier: writer process %d ready; block files are written there", w.pid)
 
     def _writer_done(self, job: DiskJob, ok: list, failed: list, counters: dict) -> None:
         """The writer process answered ``job`` (its reader thread): as if these threads had written it."""

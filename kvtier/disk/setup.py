@@ -74,8 +74,8 @@ def open_disk(config, pool, index, crcs: dict | None, journal=None, pool_name: s
     bridge = DiskBridge(io, dindex, index, config.disk_timeout_s,
                         min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size, journal=journal)
     index.attach_lower(bridge)  # the one late link: the bridge is built over the index it extends
-    w = io.writer_state()
     log.info("disk tier %s: %s, %d read threads, writes %s, loads wait at most %.2fs; scanning its files",
              root, format_size(config.disk_size), config.disk_threads,
-             f"in writer process {w['process']}" if w["process"] else "on the daemon's threads", config.disk_timeout_s)
+             "in a writer process (starting)" if pool_name and config.disk_writer == "process"
+             else "on the daemon's threads", config.disk_timeout_s)
     return bridge
