@@ -65,10 +65,13 @@ def key(tag: int, i: int, j: int = 0) -> bytes:
     return hashlib.blake2b(bytes([tag]) + i.to_bytes(8, "little") + j.to_bytes(4, "little"), digest_size=16).digest()
 
 
-def daemon(sock: str, disk: str, disk_size: int, pool: int, threads: int = 2, repo: str | None = None):
-    """Ready once its start-up scan is done. ``repo``: run another checkout's daemon; ``disk`` "": the tier off."""
+def daemon(sock: str, disk: str, disk_size: int, pool: int, threads: int = 2, repo: str | None = None,
+           extra_env: dict | None = None):
+    """Ready once its start-up scan is done. ``repo``: run another checkout's daemon; ``disk`` "": the tier off;
+    ``extra_env``: more of its settings (e.g. ``KVTIER_DISK_WRITER``)."""
     env = {**os.environ, "KVTIER_DISK_PATH": disk, "KVTIER_DISK_SIZE": str(disk_size),
-           "KVTIER_DISK_THREADS": str(threads), "KVTIER_DISK_TIMEOUT_S": "60", "KVTIER_RAM_FRACTION": "0.95"}
+           "KVTIER_DISK_THREADS": str(threads), "KVTIER_DISK_TIMEOUT_S": "60", "KVTIER_RAM_FRACTION": "0.95",
+           **(extra_env or {})}
     if not disk:
         del env["KVTIER_DISK_PATH"], env["KVTIER_DISK_SIZE"]
     return start_daemon(sock, pool, env, 300, ("--slab-size", "16MiB"), cwd=repo, log_level="WARNING",

@@ -3,7 +3,7 @@
 """What the disk tier costs a store, against the tier off and another checkout.
 
     python scripts/bench_disk_stores.py --stores 200 --baseline /path/to/other/checkout [--reps 3] [--dir /var/tmp]
-                                        [--disk-size 4GiB]
+                                        [--disk-size 4GiB] [--threads-row]
 
 One engine stores N new chains of 16 blocks (4 MiB) back to back, waiting for
 each reply, into a 64 MiB pool (write-behind queue 16 MiB, so the disk falls
@@ -13,7 +13,9 @@ checkout with the disk tier on and off, and of ``--baseline DIR`` (another
 checkout) with it on, alternating per rep. Also what each run wrote and did
 not write. ``--disk-size`` below what a run writes (e.g. 128MiB: ~490 files)
 measures a full disk, where every write makes room by evicting a file (the
-steady state of a node's disk). (Loads, the I/O method and lookups: ``bench_disk.py``.)
+steady state of a node's disk). ``--threads-row`` adds this checkout's daemon with
+``disk_writer = "threads"`` (the writes on the daemon's own threads instead of its
+writer process: BENCHMARKS.md 13.12). (Loads, the I/O method and lookups: ``bench_disk.py``.)
 
 Output: a markdown table to paste into BENCHMARKS.md, with the load average.
 """
@@ -51,6 +53,8 @@ def store_latencies(sock: str, kv, n: int, tag: int) -> list[float]:
 
 def bench_stores(a, work: str, kv) -> dict:
     sides = {"baseline, disk on": (a.baseline, True), "this, disk on": (None, True), "this, disk off": (None, False)}
+    if a.threads_row:
+        sides["this, disk on, writes on threads"] = (None, "threads")
     got: dict = {name: [] for name in sides}
     cpu: dict = {name: [] for name in sides}  # (loop thread, the others) CPU ms per store
     written: dict = {name: [] for name in sides}
@@ -58,8 +62,9 @@ def bench_stores(a, work: str, kv) -> dict:
     for rep in range(a.reps):
         for name in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
             repo, on = sides[name]
-            root = os.path.join(work, f"disk-{rep}-{len(got[name])}-{int(on)}")
-            d = daemon(sock, root if on else "", a.disk_size, 64 << 20, 4, repo)
+            root = os.path.join(work, f"disk-{rep}-{len(got[name])}-{list(sides).index(name)}")
+            d = daemon(sock, root if on else "", a.disk_size, 64 << 20, 4, repo,
+                       {"KVTIER_DISK_WRITER": "threads"} if on == "threads" else None)
             before = thread_cpu(d.pid)
             lat = store_latencies(sock, kv, a.stores, rep + 1)
             after = thread_cpu(d.pid)
@@ -100,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dir", default="/var/tmp", help="a directory on the disk to measure")
     p.add_argument("--disk-size", default="4GiB", help="the tier's disk_size (small: a full disk)")
+    p.add_argument("--threads-row", action="store_true",
+                   help="also this checkout with disk_writer = threads (the writes on the daemon's threads)")
     add_json_flag(p)
     a = p.parse_args(argv)
     try:

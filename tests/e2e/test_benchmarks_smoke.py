@@ -183,6 +183,14 @@ def test_bench_disk_stores_times_every_daemon_and_says_what_each_wrote():
     assert set(cpu) == set(out["stores"]) and all(len(r) == 1 and min(r[0]) >= 0 for r in cpu.values())
 
 
+def test_bench_disk_stores_compares_the_writer_process_with_the_daemons_threads():
+    out = json.loads(script("bench_disk_stores.py", "--stores", "3", "--reps", "1", "--baseline", REPO,
+                            "--threads-row", "--json"))
+    assert set(out["stores"]) == {"baseline, disk on", "this, disk on", "this, disk off",
+                                  "this, disk on, writes on threads"}
+    assert out["written"]["this, disk on, writes on threads"][0]["written"] == 3 * 16
+
+
 def test_bench_disk_stores_on_a_full_disk_overwrites_evicted_files():
     out = json.loads(script("bench_disk_stores.py", "--stores", "12", "--reps", "1", "--baseline", REPO,
                             "--disk-size", "24MiB", "--json"))
