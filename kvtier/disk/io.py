@@ -89,8 +89,7 @@ class DiskIO:
         self._done = Inbox()
         self._closing = False
         self._seq = itertools.count(time.time_ns())
-        self._tmp_prefix = f"{os.getpid()}-{time.time_ns():x}-"
-        self.tmp_prefix = self._tmp_prefix   # what this process's files in tmp/ start with
+        self.tmp_prefix = f"{os.getpid()}-{time.time_ns():x}-"  # what this process's files in tmp/ start with
         self._dirs: set[str] = set()
         self._unlinking: Counter = Counter()  # directory -> its files queued to be unlinked (the lock's)
         self._rmdir_wanted: set[str] = set()  # directories to remove when their count reaches 0 (the lock's)
@@ -354,7 +353,7 @@ class DiskIO:
 
     def _write_one(self, job: DiskJob, i: int, tally: Counter) -> None:
         ns_key, key, seq, off = job.items[i]
-        tmp = os.path.join(self.root, TMP_DIR, f"{self._tmp_prefix}{seq:x}.tmp")
+        tmp = os.path.join(self.root, TMP_DIR, f"{self.tmp_prefix}{seq:x}.tmp")
         final = self.path_of(ns_key, key, seq)
         payload = None
         try:
@@ -555,7 +554,7 @@ class DiskIO:
     def _scan(self) -> None:
         tally: Counter = Counter()
         try:
-            tally = scan(self.root, self.uid, self._tmp_prefix, self._done.put)
+            tally = scan(self.root, self.uid, self.tmp_prefix, self._done.put)
         except Exception:  # a bug: what was found stays found, the rest is not served
             log.exception("disk scan failed")
         finally:

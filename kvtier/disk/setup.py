@@ -68,14 +68,13 @@ def open_disk(config, pool, index, crcs: dict | None, journal=None, pool_name: s
     if not config.disk_path:
         return None
     root = check_dir(config.disk_path)
-    io = DiskIO(root, pool, config.disk_threads,
-                pool_name=pool_name if config.disk_writer == "process" else None)
+    writer_pool = pool_name if config.disk_writer == "process" else None  # None: the daemon's threads write
+    io = DiskIO(root, pool, config.disk_threads, pool_name=writer_pool)
     dindex = DiskIndex(config.disk_size, config.tenant_share, config.policy)  # its order follows the pool's
     bridge = DiskBridge(io, dindex, index, config.disk_timeout_s,
                         min(QUEUE_BYTES, config.pool_size // 4), crcs, backlog_bytes=config.pool_size, journal=journal)
     index.attach_lower(bridge)  # the one late link: the bridge is built over the index it extends
     log.info("disk tier %s: %s, %d read threads, writes %s, loads wait at most %.2fs; scanning its files",
              root, format_size(config.disk_size), config.disk_threads,
-             "in a writer process (starting)" if pool_name and config.disk_writer == "process"
-             else "on the daemon's threads", config.disk_timeout_s)
+             "in a writer process (starting)" if writer_pool else "on the daemon's threads", config.disk_timeout_s)
     return bridge
