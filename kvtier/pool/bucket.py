@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .entry import new_map
+
 
 @dataclass(eq=False)
 class Bucket:
@@ -27,9 +29,9 @@ class Bucket:
     block_bytes: int
     cls: int
     # Every entry is in exactly one of three places, so a block costs one dict slot, not two:
-    ready_map: dict = field(default_factory=dict)  # key -> Entry, READY entries lookups see (a ShardedMap
+    ready_map: dict = field(default_factory=new_map)  # key -> Entry, READY entries lookups see (a ShardedMap
     #                                                past shardmap.SPLIT_AT: the index swaps it in)
-    writing: dict = field(default_factory=dict)    # key -> Entry, being written (not READY yet)
+    writing: dict = field(default_factory=new_map) # key -> Entry, being written (not READY yet)
     hidden: list = field(default_factory=list)  # ready maps a flush detached, still draining (drain.py)
     stats: Counter = field(default_factory=Counter)
     ready: int = 0           # READY entries, kept by the index (stats read it every 0.5 s)

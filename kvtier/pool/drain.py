@@ -10,8 +10,8 @@ takes two phases:
     block the flush covers. A chain can never be seen half removed, because
     none of it is seen at all.
   * ``step(n)`` frees at most ``n`` of the hidden entries (policy, journal,
-    events, slot): the detached map is emptied newest first with
-    ``dict.popitem`` (O(1) each, no snapshot of a million entries). An entry
+    events, slot): the detached map is emptied with ``popitem`` (O(1) each,
+    no snapshot of a million entries; in the table's order, which nobody sees). An entry
     a transfer holds (pinned) goes back to the ready map instead, as a flush
     always left held blocks.
 
@@ -31,6 +31,8 @@ Primitives: ``Drains(index).start(buckets) -> Flush``, ``.step(n) -> [Flush]``
 from __future__ import annotations
 
 from collections import deque
+
+from .entry import new_map
 
 
 class Flush:
@@ -76,7 +78,7 @@ class Drains:
         """Hide every READY block of ``buckets`` now; ``step`` frees them."""
         parts = []
         for ns in buckets:
-            hidden, ns.ready_map = ns.ready_map, {}
+            hidden, ns.ready_map = ns.ready_map, new_map()
             if not hidden:
                 continue
             ns.hidden.append(hidden)
@@ -100,7 +102,7 @@ class Drains:
                 k = min(n, len(hidden))
                 n -= k
                 for _ in range(k):
-                    key, e = hidden.popitem()  # a dict's newest first; a ShardedMap's by shard (nobody sees either)
+                    key, e = hidden.popitem()  # in no set order (nobody sees a hidden map)
                     if e.pins:  # a transfer reads it: kept, and visible again
                         ns.ready_map[key] = e
                         job.kept += 1

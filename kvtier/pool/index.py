@@ -41,7 +41,7 @@ from typing import Callable
 
 from . import integrity, reclaim
 from .bucket import Bucket, LoadPlan, StorePlan
-from .entry import READY, Entry, is_ready
+from .entry import READY, Entry, add_pins, is_ready
 from .allocator import IntegrityError, SlabAllocator
 from .drain import Drains
 from .policy import EvictionPolicy, LRUPolicy
@@ -136,8 +136,7 @@ class BlockIndex:
         # Each key's entry: READY (ready map) or, while a flush drains, in any of the maps.
         found = list(map(ns.entry, keys)) if ns.hidden else get_many(ns.ready_map, keys)
         held = [e for e in found if e is not None and e.state == READY]
-        for e in held:
-            e.pins += 1
+        self.pin(held)
         try:
             todo = {}  # new key -> its first index (a key twice in one store is written once)
             for i, key in enumerate(keys):
@@ -155,8 +154,7 @@ class BlockIndex:
             # Once full, the rest of the chain cannot fit either.
             plan.no_space = list(todo.values())[len(offsets):]
         finally:
-            for e in held:
-                e.pins -= 1
+            self.unpin(held)
         ns.stats.update(store_skipped=len(plan.skipped), store_failed=len(plan.no_space))
         return plan
 
@@ -190,14 +188,10 @@ class BlockIndex:
         return len(committed)
 
     def prepare_load(self, ns: Bucket, keys: list[bytes]) -> LoadPlan:
-        plan = LoadPlan(ns, get_many(ns.ready_map, keys), [])
-        found = []
-        for i, e in enumerate(plan.entries):
-            if e is None:
-                plan.missing.append(i)
-            else:
-                e.pins += 1
-                found.append(e)
+        entries = get_many(ns.ready_map, keys)
+        found = [e for e in entries if e is not None]
+        plan = LoadPlan(ns, entries, [i for i, e in enumerate(entries) if e is None] if len(found) < len(keys) else [])
+        self.pin(found)
         self.policy.touch_chain(found)
         return plan
 
@@ -205,25 +199,20 @@ class BlockIndex:
         if plan.done:
             raise IntegrityError(f"double unpin: load plan completed twice ({len(plan.entries)} keys)")
         plan.done = True
-        for e in plan.entries:
-            if e is not None:
-                if e.pins <= 0:
-                    raise IntegrityError(f"double unpin of {e.key.hex()}")
-                e.pins -= 1
+        self.unpin(plan.entries)
         bad = len(set(plan.missing) | set(failed))
         plan.ns.stats.update(loaded=len(plan.entries) - bad, load_failed=bad)
 
     def pin(self, entries: list[Entry]) -> None:
         """Hold entries against eviction and flush (a reader outside a load, e.g. the
-        remote tier writing them out); every pin needs one ``unpin``."""
-        for e in entries:
-            e.pins += 1
+        remote tier writing them out); every pin needs one ``unpin``. None in ``entries`` is skipped."""
+        if (bad := add_pins(entries, 1)) is not None:  # native entries hold at most PIN_MAX; nothing changed
+            raise IntegrityError(f"{entries[bad].key.hex()} has {entries[bad].pins} pins, the most an entry holds")
 
     def unpin(self, entries: list[Entry]) -> None:
-        for e in entries:
-            if e.pins <= 0:
-                raise IntegrityError(f"double unpin of {e.key.hex()}")
-            e.pins -= 1
+        """One ``pin`` of each undone (None skipped); a double unpin changes nothing and raises."""
+        if (bad := add_pins(entries, -1)) is not None:
+            raise IntegrityError(f"double unpin of {entries[bad].key.hex()}")
 
     def adopt(self, ns: Bucket, blocks: list[tuple[bytes, int]], enter: bool = True) -> list:
         """READY entries for blocks a previous daemon committed at these offsets

@@ -27,7 +27,7 @@ shard that has entries (a flush frees hidden maps with it, in no particular
 order: nothing sees a hidden map). ``len`` sums the shards (256 calls): the
 hot paths never ask it.
 
-Primitives: ``ShardedMap(pairs=())`` (``.get_many(keys)``, ``.fetch(keys)``), ``grown(m) -> m or a
+Primitives: ``ShardedMap(pairs=(), make=dict)`` (``.get_many(keys)``, ``.fetch(keys)``), ``grown(m) -> m or a
 ShardedMap``, ``get_many(m, keys)``, ``fetch(m, keys)`` (either kind of map), ``SPLIT_AT``, ``SHARDS``.
 """
 
@@ -44,8 +44,9 @@ _NONE = object()
 class ShardedMap:
     __slots__ = ("_s", "_last")
 
-    def __init__(self, pairs: Iterable = ()):
-        self._s = [{} for _ in range(SHARDS)]
+    def __init__(self, pairs: Iterable = (), make=dict):
+        """``make``: the shards' type (a dict, or the index's ``entry.new_map`` for its entries)."""
+        self._s = [make() for _ in range(SHARDS)]
         self._last = MASK  # popitem's first shard to look in
         self.update(pairs)
 
@@ -118,18 +119,19 @@ class ShardedMap:
 
 
 def get_many(m, keys) -> list:
-    """``[m.get(k) for k in keys]`` for a dict or a ShardedMap, at C speed for a dict."""
-    return m.get_many(keys) if type(m) is ShardedMap else list(map(m.get, keys))
+    """``[m.get(k) for k in keys]`` for a map of ``entry.new_map`` or a ShardedMap, at C speed
+    (a ``KeyMap`` and a ShardedMap have the method; a dict goes through ``map``)."""
+    return list(map(m.get, keys)) if type(m) is dict else m.get_many(keys)
 
 
 def fetch(m, keys) -> list:
-    """``[m[k] for k in keys]`` (KeyError at the first absent key) for a dict or a ShardedMap."""
-    return m.fetch(keys) if type(m) is ShardedMap else list(map(m.__getitem__, keys))
+    """``[m[k] for k in keys]`` (KeyError at the first absent key) for either kind of map."""
+    return list(map(m.__getitem__, keys)) if type(m) is dict else m.fetch(keys)
 
 
 def grown(m):
-    """``m`` itself, or once a plain dict holds more than ``SPLIT_AT`` entries, the same
-    entries in a ``ShardedMap`` (the caller stores it in place of ``m``)."""
-    if type(m) is dict and len(m) > SPLIT_AT:
-        return ShardedMap(m)
+    """``m`` itself, or once one map (``entry.new_map``) holds more than ``SPLIT_AT`` entries,
+    the same entries in a ``ShardedMap`` (the caller stores it in place of ``m``)."""
+    if type(m) is not ShardedMap and len(m) > SPLIT_AT:
+        return ShardedMap(m, type(m))
     return m

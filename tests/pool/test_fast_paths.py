@@ -56,7 +56,7 @@ def test_lru_order_is_an_ordered_dicts_under_random_use(kind):
     move_to_end keeps."""
     rng = random.Random(5)
     p, ref = kind(), OrderedDict()
-    items = [Entry(None, bytes([i]), 0) for i in range(30)]
+    items = [Entry(None, bytes([i]) * 16, 0) for i in range(30)]
     for step in range(3000):
         op = rng.random()
         if op < 0.3:

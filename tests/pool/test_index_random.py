@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 from kvtier.pool import READY, WRITING, IntegrityError
+from kvtier.pool.entry import NATIVE, PIN_MAX
 
 from .kit import BLOCK_A, BLOCK_B, chain, make_index
 
@@ -146,7 +147,8 @@ def _some_entry(idx):
 @pytest.mark.parametrize("corrupt", [
     lambda idx: idx.policy.remove(_some_entry(idx)),             # READY entry lost by policy
     lambda idx: idx.slots.pop(_some_entry(idx).offset),          # offset map out of step
-    lambda idx: setattr(_some_entry(idx), "pins", -1),           # unpinned once too often
+    pytest.param(lambda idx: setattr(_some_entry(idx), "pins", -1),  # unpinned once too often
+                 marks=pytest.mark.skipif(NATIVE, reason="a native entry cannot hold negative pins (below)")),
     lambda idx: idx.alloc_.alloc(0),                             # a block nobody accounts for
     lambda idx: setattr(idx.namespaces["model-a"], "ready", 2),  # ready counter out of step
     lambda idx: idx.namespaces["model-a"].writing.update(       # an entry in two maps at once
@@ -162,3 +164,21 @@ def test_index_integrity_check_catches_corruption(corrupt):
     with pytest.raises(IntegrityError) as err:
         idx.check_integrity()
     assert "counters=" in str(err.value) and "'ready': 3" in str(err.value)
+
+
+@pytest.mark.skipif(not NATIVE, reason="the compiled index (kvtier/pool/_native.c) is not built")
+def test_a_native_entry_refuses_pins_it_cannot_hold_and_keeps_the_ones_it_has():
+    idx = make_index()
+    ns = idx.namespace("model-a", BLOCK_A)
+    idx.complete_store(idx.prepare_store(ns, chain("p", 3)))
+    e = _some_entry(idx)
+    for bad in (-1, PIN_MAX + 1):
+        with pytest.raises(OverflowError):
+            e.pins = bad
+    assert e.pins == 0
+    e.pins = PIN_MAX
+    with pytest.raises(OverflowError):
+        e.pins += 1
+    assert e.pins == PIN_MAX and e.state == READY
+    e.pins = 0
+    idx.check_integrity()
