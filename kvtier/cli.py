@@ -100,7 +100,7 @@ def render_status(s: dict) -> str:
         f"kvtier-daemon pid {s['pid']}  up {s['uptime_s']:.0f}s  socket {s['socket']}",
         f"pool      {format_size(p['capacity_bytes'])} capacity, {format_size(p['used_bytes'])} used, "
         f"{format_size(p['free_bytes'])} free, {format_size(p['waste_bytes'])} waste, "
-        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']})" + _pinned(p) + _tail(p) + _faulting(p),
+        f"{p['blocks']} blocks, {p['evictions']} evicted ({p['policy']}{_index(p)})" + _pinned(p) + _tail(p) + _faulting(p),
         *_sizes(p.get("sizes", [])),
         f"traffic   lookups {t['lookups']}  hits {t['hits']}  misses {t['misses']}  "
         f"hit rate {t['hit_rate']:.1%}  stores {t['stored']} blocks ({format_size(t['store_bytes'])})  "
@@ -143,6 +143,11 @@ def render_namespaces(rows: list[dict]) -> str:
                      f"{n['blocks']:>8} {format_size(n['bytes']):>12} {n['hits']:>9} {n['misses']:>9} "
                      f"{hit:>6} {n['stored']:>9} {n['loaded']:>9} {n['evicted']:>9}")
     return "\n".join(lines)
+
+
+def _index(p: dict) -> str:
+    """Said only when the index runs in pure Python (no C compiler at install): ~300 B per block, not ~100."""
+    return ", pure-Python index" if p.get("index") == "python" else ""
 
 
 def _tail(p: dict) -> str:

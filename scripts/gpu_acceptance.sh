@@ -154,6 +154,8 @@ EOF
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$WORK/site" "$WHEELS"/*.whl
     check_transformers
+    # The compiled index (kvtier/pool/_native.c) where the node has a C compiler; else the pure-Python one runs.
+    "$PY" setup.py -q build_ext --inplace >"$WORK/build_ext.log" 2>&1 || echo "no compiled index: the pure-Python one runs"
     for mod in "${MODULES[@]}"; do "$PY" -c "import $mod"; done
     "$PY" - "$RESULTS/setup.json" <<'EOF'
 import json, subprocess, sys, time, torch, transformers, zmq

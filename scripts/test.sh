@@ -57,7 +57,10 @@ unset -f after_install
 # 2.8 GB; SGLang's dependencies): they are made while the main pass runs, which is bound
 # by the CPU, not the network, and waited for after it. Their log is printed then.
 venvs_log=$(mktemp)
+# KVTIER_BUILD_NATIVE=0: they use the compiled index .venv-test's install built in the tree
+# (the same Python); building it again would rewrite that file under the running tests.
 (
+    export KVTIER_BUILD_NATIVE=0
     TORCH_VERSION=$TORCH_NEWEST PIP_CONSTRAINT=/dev/null make_venv .venv-torch "transformers==$TRANSFORMERS_NEWEST" -e ".[test,transformers]"
     bash scripts/sglang_venv.sh
 ) >"$venvs_log" 2>&1 &
@@ -68,6 +71,9 @@ venvs=$!
 rc=0
 # --durations: CI's log names the slowest tests, so the suite's time can be kept in check.
 .venv-test/bin/python -m pytest -q -n 3 --dist loadfile --durations=40 "$@" || rc=$?
+# The index's tests again on its pure-Python build (what runs where no C compiler was found).
+echo "the pool's tests on the pure-Python index (KVTIER_PURE_PYTHON=1):" >&2
+KVTIER_PURE_PYTHON=1 .venv-test/bin/python -m pytest -q -n 0 tests/pool "$@" || rc=$?
 venvs_ok=1
 wait "$venvs" || { venvs_ok=0; rc=1; }
 cat "$venvs_log" >&2

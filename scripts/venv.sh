@@ -7,7 +7,7 @@
 #                           `TORCH_VERSION=X make_venv ...` installs torch X instead (a
 #                           release this machine holds a wheel of, or pip downloads it).
 # Idempotent and quick on a second run: a stamp of what was asked for (and of
-# pyproject.toml) skips pip when nothing changed.
+# pyproject.toml, setup.py and the C source it compiles) skips pip when nothing changed.
 
 TORCH_VERSION=2.13.0
 
@@ -36,7 +36,7 @@ apt_install() {
 make_venv() {
     local dir=$1; shift
     local want
-    want=$({ printf '%s\n' "$TORCH_VERSION" "$@"; cat pyproject.toml; } | sha256sum | cut -c1-16)
+    want=$({ printf '%s\n' "$TORCH_VERSION" "$@"; cat pyproject.toml setup.py kvtier/pool/*.c; } | sha256sum | cut -c1-16)
     if [ -x "$dir/bin/python" ] && [ "$(cat "$dir/.kvtier-stamp" 2>/dev/null)" = "$want" ]; then
         return 0
     fi

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from ..protocol.messages import PROTOCOL_VERSION
 from ..pool import checksum
+from ..pool.entry import NATIVE
 from ..pool.index import STAT_KEYS
 from .sessions import operator_quota
 from .state import NO_CAP
@@ -88,6 +89,7 @@ def daemon_stats(d: StatsSource, viewer=None) -> dict:
                  "blocks": sum(n["blocks"] for n in namespaces),
                  "evictions": d.index.evictions, "policy": d.config.policy,
                  "checksum": checksum.IMPLEMENTATION,
+                 "index": "compiled" if NATIVE else "python",  # pool/entry.py: which build of the index runs
                  **_pin_stats(d.gpu)},
         "swap": {"bytes": d.swap.total_bytes, "max_bytes": d.swap.max_bytes,
                  "pinned_slab_bytes": d.swap.pinned_slab_bytes,

@@ -13,7 +13,8 @@ entry is a Python object and a map a dict. ``NATIVE`` says which runs.
 
 Primitives: ``Entry``, ``WRITING``, ``READY``, ``is_ready``, ``new_map()`` (key -> Entry),
 ``add_pins(entries, delta)`` (one call for many: a
-load pins and unpins its chain), ``NATIVE``, ``PIN_MAX`` (native: the most pins an entry holds; None: unbounded).
+load pins and unpins its chain), ``NATIVE``, ``PIN_MAX`` and ``OFFSET_MAX`` (native: the most pins an entry holds, its
+last offset; None: unbounded).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ if _native is not None:
     _native.seed(os.urandom(16))  # the tables' SipHash key: a tenant cannot aim keys at one probe run
     Entry, WRITING, READY, new_map = _native.Entry, _native.WRITING, _native.READY, _native.KeyMap
     PIN_MAX = _native.PIN_MAX  # readers one block can have at once (19 bits of its word; more: OverflowError)
+    OFFSET_MAX = _native.OFFSET_MAX  # the last pool offset an entry holds (44 bits: a 16 TiB pool)
     add_pins = _native.add_pins
 else:
-    PIN_MAX = None
+    PIN_MAX = OFFSET_MAX = None
 
     def add_pins(entries, delta: int):  # type: ignore[misc]
         """Pin every entry (None skipped) ``delta`` more; None, or the index of the first

@@ -41,7 +41,7 @@ from typing import Callable
 
 from . import integrity, reclaim
 from .bucket import Bucket, LoadPlan, StorePlan
-from .entry import READY, Entry, add_pins, is_ready
+from .entry import OFFSET_MAX, READY, Entry, add_pins, is_ready
 from .allocator import IntegrityError, SlabAllocator
 from .drain import Drains
 from .policy import EvictionPolicy, LRUPolicy
@@ -63,6 +63,9 @@ class BlockIndex:
         """``events``: keep block events for ``take_events``. ``mirror``: .stored(bucket, keys) /
         .removed(bucket, key) as READY changes (the lookup mirrors). ``journal``: .removed(entry)
         before a READY entry's slot is freed (warm restart)."""
+        if OFFSET_MAX is not None and allocator.capacity > OFFSET_MAX + 1:
+            raise ValueError(f"a pool of {allocator.capacity} bytes is past the compiled index's "
+                             f"{OFFSET_MAX + 1} (16 TiB); KVTIER_PURE_PYTHON=1 runs the pure-Python one")
         self.alloc_ = allocator
         self.tenants = TenantShares(allocator, share, policy if policy is not None else LRUPolicy())
         self.policy = self.tenants.policy  # with share < 1 it also keeps each tenant's own order
