@@ -14,7 +14,9 @@ tree with ``KVTIER_PURE_PYTHON=1`` (Python entries in dicts, the index before it
   divided by the blocks (what the daemon's anon RSS grows by per block);
 - CPU per operation of one chain (``thread_time``), over 200 chains of a full
   index: a lookup that hits all of it, a load (prepare + complete), a store of new
-  blocks that evicts as many (prepare + complete), and a lookup that misses.
+  blocks that evicts as many (prepare + complete), and a lookup that misses;
+- one namespace map of 10^6 entries (wall time): its longest insert while it grows
+  (a doubling rebuilds it), and its longest removal + insert at that steady size.
 """
 
 from __future__ import annotations
@@ -56,8 +58,20 @@ for r in range(200):
     t = cpu(); idx.complete_store(idx.prepare_store(ns, fresh)); ops["store_evicting"].append(cpu() - t)
     t = cpu(); idx.lookup(ns, keys(3, r * C, C)); ops["lookup_miss"].append(cpu() - t)
 idx.check_integrity()
+del idx, ns
+# One map of a million entries: the longest insert while it grows (a doubling), then the
+# longest removal + insert at that steady size (a dict rebuilds about every n inserts there).
+from kvtier.pool.entry import Entry, new_map
+wall = time.perf_counter
+ks = [(i * 0x9E3779B97F4A7C15 % 2**128).to_bytes(16, "little") for i in range(2 * 10**6)]
+m, grow, churn = new_map(), 0.0, 0.0
+for i in range(10**6):
+    e = Entry(None, ks[i], i); t = wall(); m[ks[i]] = e; grow = max(grow, wall() - t)
+for i in range(10**6):
+    e = Entry(None, ks[10**6 + i], i); t = wall(); m.pop(ks[i]); m[e.key] = e; churn = max(churn, wall() - t)
 print(json.dumps({"native": NATIVE, "blocks": N, "heap_per_block": (rss1 - rss0) / N,
-                  "ops_us": {k: 1e6 * sum(v) / len(v) for k, v in ops.items()}}))
+                  "ops_us": {k: 1e6 * sum(v) / len(v) for k, v in ops.items()},
+                  "map_1m_longest_insert_ms": grow * 1e3, "map_1m_churn_longest_ms": churn * 1e3}))
 """
 
 
@@ -88,7 +102,8 @@ def main(argv=None) -> int:
             runs["native" if native else "python"].append(r)
             ops = " ".join(f"{k} {v:.0f}" for k, v in r["ops_us"].items())
             print(f"rep {rep} {'native' if native else 'python'}: {r['heap_per_block']:.0f} B/block; "
-                  f"us per {a.chain}-block op: {ops}", flush=True)
+                  f"us per {a.chain}-block op: {ops}; a 1M-entry map's longest insert growing "
+                  f"{r['map_1m_longest_insert_ms']:.1f} ms, under churn {r['map_1m_churn_longest_ms']:.2f} ms", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "runs": runs}, f, indent=1)
