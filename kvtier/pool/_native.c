@@ -689,9 +689,19 @@ static PyObject *seed(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static inline int pin_step(EntryObject *e, long delta) {
+    long long pins = (long long)((e->word >> 1) & PIN_MAX) + delta;
+    if (pins < 0 || pins > (long long)PIN_MAX)
+        return -1;
+    e->word = (e->word & ~(PIN_MAX << 1)) | ((uint64_t)pins << 1);
+    return 0;
+}
+
 static PyObject *add_pins(PyObject *mod, PyObject *const *args, Py_ssize_t n) {
     /* add_pins(entries, delta): every entry (None skipped) pinned delta more; -> None, or the index
-     * of the first whose pins would leave [0, PIN_MAX], and then none is changed */
+     * of the first whose pins would leave [0, PIN_MAX], and then none is changed. An entry may be
+     * named many times (a load naming one block twice pins it twice): each step is applied in turn
+     * and, at the first out of range, the ones before it are undone. */
     if (n != 2) {
         PyErr_SetString(PyExc_TypeError, "add_pins(entries, delta)");
         return NULL;
@@ -699,31 +709,30 @@ static PyObject *add_pins(PyObject *mod, PyObject *const *args, Py_ssize_t n) {
     long delta = PyLong_AsLong(args[1]);
     if (delta == -1 && PyErr_Occurred())
         return NULL;
+    if (delta < -(long)PIN_MAX || delta > (long)PIN_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "add_pins: delta out of range");
+        return NULL;
+    }
     PyObject *seq = PySequence_Fast(args[0], "entries must be iterable");
     if (seq == NULL)
         return NULL;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t j = 0; j < len; j++) {
-        if (items[j] == Py_None)
-            continue;
-        if (Py_TYPE(items[j]) != &EntryType) {
+        if (items[j] != Py_None && Py_TYPE(items[j]) != &EntryType) {
             Py_DECREF(seq);
             PyErr_Format(PyExc_TypeError, "add_pins takes entries, not %.100s", Py_TYPE(items[j])->tp_name);
             return NULL;
         }
-        long long pins = (long long)((((EntryObject *)items[j])->word >> 1) & PIN_MAX) + delta;
-        if (pins < 0 || pins > (long long)PIN_MAX) {
-            Py_DECREF(seq);
-            return PyLong_FromSsize_t(j);
-        }
     }
     for (Py_ssize_t j = 0; j < len; j++) {
-        if (items[j] == Py_None)
+        if (items[j] == Py_None || pin_step((EntryObject *)items[j], delta) == 0)
             continue;
-        EntryObject *e = (EntryObject *)items[j];
-        uint64_t pins = ((e->word >> 1) & PIN_MAX) + (uint64_t)(int64_t)delta;  /* in range: checked */
-        e->word = (e->word & ~(PIN_MAX << 1)) | ((pins & PIN_MAX) << 1);
+        for (Py_ssize_t u = j - 1; u >= 0; u--)  /* undo: each of these took the step, so it goes back */
+            if (items[u] != Py_None)
+                pin_step((EntryObject *)items[u], -delta);
+        Py_DECREF(seq);
+        return PyLong_FromSsize_t(j);
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;

@@ -40,18 +40,20 @@ else:
     PIN_MAX = OFFSET_MAX = None
 
     def add_pins(entries, delta: int):  # type: ignore[misc]
-        """Pin every entry (None skipped) ``delta`` more; None, or the index of the first
-        whose pins would go below 0, and then none is changed."""
+        """Pin every entry (None skipped; one named twice, twice) ``delta`` more; None, or
+        the index of the first whose pins would go below 0, and then none is changed."""
         if delta >= 0:
             for e in entries:
                 if e is not None:
                     e.pins += delta
             return None
-        for i, e in enumerate(entries):
-            if e is not None and e.pins + delta < 0:
-                return i
-        for e in entries:
+        for i, e in enumerate(entries):  # in turn (an entry may be named twice), undone at the first below 0
             if e is not None:
+                if e.pins + delta < 0:
+                    for u in entries[:i]:
+                        if u is not None:
+                            u.pins -= delta
+                    return i
                 e.pins += delta
         return None
     WRITING, READY = "writing", "ready"

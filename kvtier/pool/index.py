@@ -17,7 +17,7 @@ Primitives (scheduler-style, no I/O):
   lookup(ns, keys) -> int                  longest READY prefix, refreshes LRU
   prepare_store(ns, keys) -> StorePlan, complete_store(plan, failed=())   dedups; pool full is a value
   prepare_load(ns, keys) -> LoadPlan, complete_load(plan)                 pins what is READY
-  pin(entries) / unpin(entries)            hold READY entries (no eviction) for a reader
+  pin(entries) / unpin(entries)            hold READY entries (no eviction) for a reader; PinLimit past PIN_MAX
   alloc_for(ns, n) -> [offset]             n slots for ns's tenant (its share, when on): swap too;
                                            alloc(cls) / free(offset)
   adopt(ns, [(key, offset)], enter) -> [Entry | None]  warm restart: READY entries at kept offsets
@@ -55,6 +55,13 @@ MAX_NAMESPACES = 4096
 NO_BATCH = nullcontext()  # evict() without a lookup mirror
 STAT_KEYS = ("lookups", "hits", "disk_hits", "misses", "stored", "store_skipped", "store_failed",
              "loaded", "load_failed", "evicted", "mirror_lookups", "mirror_hits")
+
+
+class PinLimit(MemoryError):
+    """A request would hold a block more times at once than its entry counts (``entry.PIN_MAX``,
+    2^19 - 1: the daemon refuses a hash twice in one request, so it takes that many transfers
+    of it in flight, past ``max_transfers_per_user``'s default of 1,024): refused whole, nothing
+    pinned; the daemon answers it as a resource it is out of (``ErrorCode.EXHAUSTED``)."""
 
 
 class BlockIndex:
@@ -209,8 +216,8 @@ class BlockIndex:
     def pin(self, entries: list[Entry]) -> None:
         """Hold entries against eviction and flush (a reader outside a load, e.g. the
         remote tier writing them out); every pin needs one ``unpin``. None in ``entries`` is skipped."""
-        if (bad := add_pins(entries, 1)) is not None:  # native entries hold at most PIN_MAX; nothing changed
-            raise IntegrityError(f"{entries[bad].key.hex()} has {entries[bad].pins} pins, the most an entry holds")
+        if (bad := add_pins(entries, 1)) is not None:  # a compiled entry holds at most PIN_MAX; nothing changed
+            raise PinLimit(f"block {entries[bad].key.hex()} has {entries[bad].pins} readers, the most one holds")
 
     def unpin(self, entries: list[Entry]) -> None:
         """One ``pin`` of each undone (None skipped); a double unpin changes nothing and raises."""

@@ -147,3 +147,22 @@ def test_kvtier_pure_python_runs_the_same_index_without_the_compiled_one():
     env = dict(os.environ, PYTHONPATH=REPO, KVTIER_PURE_PYTHON="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True", "8"]
+
+
+@native
+def test_a_load_that_would_pin_a_block_past_its_limit_is_refused_whole():
+    from kvtier.pool.entry import PIN_MAX
+    from kvtier.pool.index import PinLimit
+
+    from .kit import BLOCK_A, make_index, stored
+    idx = make_index()
+    ns = idx.namespace("model-a", BLOCK_A)
+    keys = chain("p", 2)
+    assert stored(idx, ns, keys) == 2
+    with pytest.raises(PinLimit):
+        idx.prepare_load(ns, [keys[0]] + [keys[1]] * (PIN_MAX + 1))
+    assert [e.pins for e in idx.ready_entries(ns, keys)] == [0, 0]  # nothing was pinned, not even keys[0]
+    plan = idx.prepare_load(ns, [keys[1]] * PIN_MAX)  # up to the limit is fine
+    assert idx.ready_entry(ns, keys[1]).pins == PIN_MAX
+    idx.complete_load(plan)
+    idx.check_integrity()
