@@ -318,3 +318,22 @@ def test_bench_start_times_the_first_answer_and_the_whole_pool_in_for_both_trees
     for name, [first] in out["starts"].items():
         [whole] = out["whole_pool_in"][name]
         assert 0 < first <= whole  # the whole pool is in no sooner than the first answer
+
+
+def test_bench_index_measures_both_builds_of_the_index(tmp_path):
+    from kvtier.pool.entry import NATIVE
+    if not NATIVE:
+        pytest.skip("the compiled index (kvtier/pool/_native.c) is not built")
+    out = tmp_path / "index.json"
+    script("bench_index.py", "--blocks", "20000", "--chain", "100", "--reps", "1", "--map-entries", "5000",
+           "--json", str(out))
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["native"] for r in runs["native"]] == [True] and [r["native"] for r in runs["python"]] == [False]
+    for r in runs["native"] + runs["python"]:
+        assert r["heap_per_block"] > 0 and min(r["ops_us"].values()) > 0 and r["map_churn_longest_ms"] > 0
+
+
+def test_bench_index_refuses_what_cannot_run():
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_index.py"), "--chain", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "error:" in proc.stderr and "Traceback" not in proc.stderr
