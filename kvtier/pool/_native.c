@@ -95,6 +95,18 @@ static int read_key(PyObject *key, uint64_t out[2]) {
     return 1;
 }
 
+static int need_key(PyObject *key, uint64_t out[2]) {
+    /* read_key where only a 16-byte key will do: 0, or -1 with TypeError / ValueError set */
+    int r = read_key(key, out);
+    if (r == 0)
+        PyErr_Format(PyExc_ValueError, "a block key is %d bytes, got %zd", KEY_BYTES, PyBytes_GET_SIZE(key));
+    return r == 1 ? 0 : -1;
+}
+
+static inline void put_pins(EntryObject *e, uint64_t pins) {  /* pins in [0, PIN_MAX]: checked by the caller */
+    e->word = (e->word & ~(PIN_MAX << 1)) | (pins << 1);
+}
+
 static int Entry_init(EntryObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"ns", "key", "offset", NULL};
     PyObject *ns, *key, *off;
@@ -120,10 +132,7 @@ static int Entry_init(EntryObject *self, PyObject *args, PyObject *kw) {
     } else if (!PyArg_ParseTupleAndKeywords(args, kw, "OOK", names, &ns, &key, &offset)) {
         return -1;
     }
-    int r = read_key(key, self->key);
-    if (r == 0)
-        PyErr_Format(PyExc_ValueError, "a block key is %d bytes, got %zd", KEY_BYTES, PyBytes_GET_SIZE(key));
-    if (r <= 0)
+    if (need_key(key, self->key) < 0)
         return -1;
     if (offset > OFF_MAX) {
         PyErr_Format(PyExc_OverflowError, "offset %llu is past %llu (16 TiB)", offset, (unsigned long long)OFF_MAX);
@@ -191,7 +200,7 @@ static int Entry_set_pins(EntryObject *self, PyObject *v, void *c) {
         PyErr_Format(PyExc_OverflowError, "pins must be in [0, %llu], got %lld", (unsigned long long)PIN_MAX, n);
         return -1;
     }
-    self->word = (self->word & ~(PIN_MAX << 1)) | ((uint64_t)n << 1);
+    put_pins(self, (uint64_t)n);
     return 0;
 }
 
@@ -358,10 +367,7 @@ static EntryObject *lookup(KeyMapObject *m, PyObject *key) {
 
 static int set_item(KeyMapObject *m, PyObject *key, PyObject *value) {
     uint64_t k[2];
-    int r = read_key(key, k);
-    if (r == 0)
-        PyErr_Format(PyExc_ValueError, "a block key is %d bytes, got %zd", KEY_BYTES, PyBytes_GET_SIZE(key));
-    if (r <= 0)
+    if (need_key(key, k) < 0)
         return -1;
     if (Py_TYPE(value) != &EntryType) {
         PyErr_Format(PyExc_TypeError, "a KeyMap holds entries, not %.100s", Py_TYPE(value)->tp_name);
@@ -693,7 +699,7 @@ static inline int pin_step(EntryObject *e, long delta) {
     long long pins = (long long)((e->word >> 1) & PIN_MAX) + delta;
     if (pins < 0 || pins > (long long)PIN_MAX)
         return -1;
-    e->word = (e->word & ~(PIN_MAX << 1)) | ((uint64_t)pins << 1);
+    put_pins(e, (uint64_t)pins);
     return 0;
 }
 

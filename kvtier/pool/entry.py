@@ -13,7 +13,7 @@ entry is a Python object and a map a dict. ``NATIVE`` says which runs.
 
 Primitives: ``Entry``, ``WRITING``, ``READY``, ``is_ready``, ``new_map()`` (key -> Entry),
 ``add_pins(entries, delta)`` (one call for many: a
-load pins and unpins its chain), ``NATIVE``, ``PIN_MAX`` and ``OFFSET_MAX`` (native: the most pins an entry holds, its
+load pins and unpins its chain), ``NATIVE`` (``PURE_PYTHON_ASKED``: the variable said so), ``PIN_MAX`` and ``OFFSET_MAX`` (native: the most pins an entry holds, its
 last offset; None: unbounded).
 """
 
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import os
 
+PURE_PYTHON_ASKED = os.environ.get("KVTIER_PURE_PYTHON", "") not in ("", "0")
 _native = None
-if os.environ.get("KVTIER_PURE_PYTHON", "") in ("", "0"):
+if not PURE_PYTHON_ASKED:
     try:
         from . import _native
     except ImportError:  # built without a C compiler: the pure-Python index below
-        _native = None
+        pass
 
 NATIVE = _native is not None
 

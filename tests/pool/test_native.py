@@ -13,7 +13,7 @@ import tracemalloc
 
 import pytest
 
-from kvtier.pool.entry import NATIVE, READY, WRITING, Entry, new_map
+from kvtier.pool.entry import NATIVE, PURE_PYTHON_ASKED, READY, WRITING, Entry, new_map
 
 from .kit import chain, key
 
@@ -22,7 +22,7 @@ native = pytest.mark.skipif(not NATIVE, reason="the compiled index (kvtier/pool/
 
 
 def test_the_compiled_index_is_built_wherever_a_c_compiler_and_pythons_headers_are():
-    if os.environ.get("KVTIER_PURE_PYTHON", "") not in ("", "0"):
+    if PURE_PYTHON_ASKED:
         pytest.skip("KVTIER_PURE_PYTHON asks for the pure-Python index")
     headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
     if not (shutil.which("cc") or shutil.which("gcc")) or not headers:
